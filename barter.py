@@ -1,0 +1,299 @@
+"""
+BARTER: structured dynamic sparse training that keeps every tensor compact.
+
+The ViT really has fewer heads and MLP channels. Every `update_every` steps BARTER ranks the units
+that exist by their gate-Taylor score, PRUNES the k weakest and CLONES the k strongest (Net2Net
+split), under two fixed global budgets (heads, channels). `resize` slices the tensors and remaps the
+optimizer state with the same indices, so the next step runs dense kernels on a smaller model.
+"""
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from vit import leaf, per_row, unit_rows  # the unit layout lives next to the model
+
+KINDS = ("heads", "mlp")
+
+
+def round_half_up(x):
+    return int(math.floor(x + 0.5))
+
+
+def uniform(budget, depth):
+    """`budget` units over `depth` blocks as evenly as possible, the remainder spread over depth."""
+    base, r = divmod(budget, depth)
+    counts = [base] * depth
+    for j in range(r):
+        counts[(j * depth) // r] += 1
+    return counts
+
+
+# ----------------------------------------------------------------------------------------------
+# resize: gather units of every block, parameters and optimizer state through the same indices
+
+# how an optimizer state tensor scales on the INPUT side of a unit split m ways: the copy's input
+# gradient is 1/m of the parent's (its output side was divided by m), so 1st moments / m, 2nd / m^2.
+# On the OUTPUT side every copy sees the parent's gradient: state is copied as it is.
+STATE_POWER = {"exp_avg": 1, "momentum_buffer": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 2}
+
+
+@torch.no_grad()
+def resize(model, optimizer, heads, mlp, eps=0.0, generator=None):
+    """Rebuild block i with the source units heads[i] / mlp[i] (LongTensors, None = untouched).
+    A source that appears m times is split into m copies: input side copied (weights perturbed by
+    +-eps*u so that the copies differ but their sum stays the same), output side divided by m.
+    The function is unchanged for eps = 0, and to first order in eps otherwise."""
+    where = {}  # id(param) -> (group, position) in the optimizer
+    if optimizer is not None:
+        for g in optimizer.param_groups:
+            for i, p in enumerate(g["params"]):
+                where[id(p)] = (g, i)
+    fresh = {}
+    for kind, plan in zip(KINDS, (heads, mlp)):
+        if plan is None:
+            continue
+        if len(plan) != len(model.blocks):
+            raise ValueError(f"{kind}: need one index tensor (or None) per block, got {len(plan)}")
+        fresh[kind] = []
+        for blk, idx in zip(model.blocks, plan):
+            n, w, tensors = blk.units(kind)
+            if idx is None:
+                fresh[kind].append(None)
+                continue
+            dev = tensors[0][0].weight.device
+            idx = torch.as_tensor(idx, dtype=torch.long).to(dev)
+            if idx.ndim != 1 or (idx.numel() and (idx.min() < 0 or idx.max() >= n)):
+                raise ValueError(f"{kind} indices must be a 1-D tensor with values in [0, {n})")
+            m = torch.bincount(idx, minlength=n)[idx].double()  # copies of each new unit's source
+            rank = torch.tril(idx[:, None] == idx[None, :], -1).sum(1).double()  # 0 = the parent
+            sign = (m - 1) - 2 * rank  # e.g. +1/-1 for a pair, +2/0/-2 for three: sums to zero
+            fresh[kind].append(m > 1)
+            for mod, attr, dim, side, seg in tensors:
+                old = getattr(mod, attr)
+                rows = unit_rows(idx, n, w, seg)
+                shape = [1] * old.ndim
+                shape[dim] = -1
+                inv_m = per_row(1.0 / m, w, seg).view(shape).to(old.dtype)
+
+                def gather(t, power):  # power: how t scales with the input-side split (see above)
+                    out = t.index_select(dim, rows)
+                    return out * inv_m ** power if power else out
+
+                new = gather(old, 0 if side == "in" else 1)
+                if side == "in" and attr == "weight" and eps > 0 and bool((m > 1).any()):
+                    u = torch.randn(old.shape, generator=generator).to(old.device, old.dtype)
+                    new += eps * per_row(sign, w, seg).view(shape).to(old.dtype) * u.index_select(dim, rows)
+                new = nn.Parameter(new, requires_grad=old.requires_grad)
+                setattr(mod, attr, new)
+                if optimizer is None:
+                    continue
+                if id(old) not in where:
+                    raise RuntimeError(f"{kind} tensor {attr} of shape {tuple(old.shape)} is not in the optimizer")
+                g, i = where.pop(id(old))
+                g["params"][i] = new
+                state = optimizer.state.pop(old, {})
+                remapped = {}
+                for key, v in state.items():
+                    if torch.is_tensor(v) and v.shape == old.shape:
+                        if key not in STATE_POWER:
+                            raise RuntimeError(f"don't know how optimizer state {key!r} scales on a split")
+                        remapped[key] = gather(v, STATE_POWER[key] if side == "in" else 0)
+                    else:
+                        remapped[key] = v  # scalar step and other shape-free entries are kept
+                if remapped:
+                    optimizer.state[new] = remapped
+            blk.set_units(kind, idx.numel())
+    if optimizer is not None:
+        check_optimizer(model, optimizer)
+    return fresh
+
+
+def check_optimizer(model, optimizer):
+    """Every trainable parameter of the model is in exactly one group, and nothing else is there."""
+    params = {id(p) for p in model.parameters() if p.requires_grad}
+    in_groups = [id(p) for g in optimizer.param_groups for p in g["params"]]
+    assert len(in_groups) == len(set(in_groups)), "a parameter is in the optimizer twice"
+    assert set(in_groups) == params, "optimizer and model disagree on the parameters (stale Parameter?)"
+    assert all(id(p) in params for p in optimizer.state), "optimizer state of a stale Parameter"
+
+
+# ----------------------------------------------------------------------------------------------
+# statistics, schedule, selection
+
+def taylor_scores(model, kind):
+    """Per block, t_u = sum over the unit's output-side weights of W * dL/dW: exactly dL/dgate of a
+    gate multiplied into that unit's output. Units with no gradient yet score 0."""
+    out = []
+    for blk in model.blocks:
+        n, w, tensors = blk.units(kind)
+        mod, attr, dim, _, _ = next(t for t in tensors if t[3] == "out")
+        W = leaf(mod, attr)
+        if n == 0 or W.grad is None:
+            out.append(torch.zeros(n, device=W.device))
+            continue
+        out.append((W * W.grad).float().sum(1 - dim).view(n, w).sum(1))  # (n,)
+    return out
+
+
+@dataclass
+class Schedule:
+    total_steps: int
+    update_every: int = 500
+    alpha0: float = 0.25
+    end_frac: float = 0.75
+    start: int = 0  # no update before this step (the lr warmup)
+
+    def is_update(self, t):
+        return t > 0 and t % self.update_every == 0 and self.start <= t < self.end_frac * self.total_steps
+
+    def alpha(self, t):
+        return self.alpha0 * (1 + math.cos(math.pi * t / (self.end_frac * self.total_steps))) / 2
+
+
+def select(counts, lo, hi, prune, grow, k):
+    """prune, grow: candidate lists of (score, block, unit). Take the k lowest prune candidates with
+    every block kept >= lo; then the highest grow candidates not pruned, every block kept <= hi.
+    If fewer grow than prune fit, prune fewer (drop the best-scored prunes). Ties break by position."""
+    P, left = [], list(counts)
+    for s, b, u in sorted(prune):
+        if len(P) == k:
+            break
+        if left[b] > lo[b]:
+            left[b] -= 1
+            P.append((b, u))
+    grow = sorted(grow, key=lambda c: (-c[0], c[1], c[2]))
+    while True:
+        pruned, size, G = set(P), list(counts), []
+        for b, _ in P:
+            size[b] -= 1
+        for s, b, u in grow:
+            if len(G) == len(P):
+                break
+            if (b, u) not in pruned and size[b] < hi[b]:
+                size[b] += 1
+                G.append((b, u))
+        if len(G) == len(P):
+            return P, G
+        P = P[: len(G)]
+
+
+# ----------------------------------------------------------------------------------------------
+# the method
+
+def unit_budgets(cfg, dense_frac, head_frac=None, mlp_frac=None):
+    """Global budgets B = round(d * L * dense units) and per-block bounds, for heads and channels."""
+    L = cfg.depth
+    fracs = {"heads": dense_frac if head_frac is None else head_frac,
+             "mlp": dense_frac if mlp_frac is None else mlp_frac}
+    dense = {"heads": cfg.num_heads, "mlp": cfg.mlp_hidden}
+    for kind, f in fracs.items():
+        if not 0 < f <= 1:
+            raise ValueError(f"{kind} density must be in (0, 1], got {f}")
+    budget = {k: round_half_up(fracs[k] * L * dense[k]) for k in KINDS}
+    for kind, B in budget.items():
+        if B < 1:
+            raise ValueError(f"density {fracs[kind]} leaves no {kind} in {L} blocks of {dense[kind]}")
+    # a block can only grow by cloning its own units, so a block at 0 stays at 0: keep one head
+    # per block when the budget allows it, and a floor of channels so no MLP collapses
+    lo = {"heads": [1 if budget["heads"] >= L else 0] * L, "mlp": [int(0.2 * budget["mlp"] / L)] * L}
+    hi = {k: [dense[k]] * L for k in KINDS}
+    return budget, lo, hi
+
+
+class Barter:
+    name = "barter"
+
+    def __init__(self, model, schedule, dense_frac=0.1, head_frac=None, mlp_frac=None, eps=1e-3, seed=0):
+        self.budget, self.lo, self.hi = unit_budgets(model.cfg, dense_frac, head_frac, mlp_frac)
+        self.model, self.schedule, self.eps = model, schedule, eps
+        self.gen = torch.Generator().manual_seed(seed)
+        self.reset_stats()
+        self.fresh = {k: [torch.zeros(n, dtype=torch.bool) for n in model.counts(k)] for k in KINDS}
+
+    def init_model(self):
+        """Fresh run: keep the first units of a dense init, uniform over depth (the masked baseline
+        keeps the same units, so both start from the identical function)."""
+        plan = {k: [torch.arange(n) for n in uniform(self.budget[k], self.model.cfg.depth)] for k in KINDS}
+        resize(self.model, None, plan["heads"], plan["mlp"])
+        self.fresh = {k: [torch.zeros(n, dtype=torch.bool) for n in self.model.counts(k)] for k in KINDS}
+        self.reset_stats()
+        self.check()
+
+    def reset_stats(self):
+        self.acc = {k: [None] * self.model.cfg.depth for k in KINDS}
+        self.nacc = 0
+
+    def before_forward(self, t):
+        pass
+
+    @torch.no_grad()
+    def after_backward(self, optimizer, t):
+        """Accumulate |gate-Taylor| of the active units (one multiply-reduce per block)."""
+        for kind in KINDS:
+            for i, s in enumerate(taylor_scores(self.model, kind)):
+                a = self.acc[kind][i]
+                self.acc[kind][i] = s.abs() if a is None else a + s.abs()
+        self.nacc += 1
+
+    def after_step(self, optimizer, t):
+        return self.update(optimizer, t) if self.schedule.is_update(t) else None
+
+    @torch.no_grad()
+    def update(self, optimizer, t):
+        t0 = time.perf_counter()
+        alpha, plans, moved = self.schedule.alpha(t), {}, {}
+        for kind in KINDS:
+            counts = self.model.counts(kind)
+            k = round_half_up(alpha * self.budget[kind])
+            scores = [(a / max(self.nacc, 1)).cpu().tolist() if a is not None else [0.0] * n
+                      for a, n in zip(self.acc[kind], counts)]
+            active = [(s, b, u) for b, sb in enumerate(scores) for u, s in enumerate(sb)]
+            exempt = {(b, u) for b, f in enumerate(self.fresh[kind]) for u in f.nonzero().flatten().tolist()}
+            P, G = select(counts, self.lo[kind], self.hi[kind],
+                          [c for c in active if (c[1], c[2]) not in exempt], active, k)
+            pruned = set(P)
+            plan = []
+            for b, n in enumerate(counts):
+                kept = [u for u in range(n) if (b, u) not in pruned]
+                parents = [u for bb, u in G if bb == b]
+                same = len(parents) == 0 and len(kept) == n
+                plan.append(None if same else torch.tensor(kept + parents, dtype=torch.long))
+            plans[kind], moved[kind] = plan, len(P)
+        fresh = resize(self.model, optimizer, plans["heads"], plans["mlp"], self.eps, self.gen)
+        for kind in KINDS:
+            self.fresh[kind] = [f.cpu() if f is not None else torch.zeros(n, dtype=torch.bool)
+                                for f, n in zip(fresh[kind], self.model.counts(kind))]
+        self.reset_stats()
+        self.check()
+        return {"step": t, "alpha": round(alpha, 4), "moved": moved,
+                "counts": {k: self.model.counts(k) for k in KINDS}, "seconds": time.perf_counter() - t0}
+
+    def check(self):
+        for kind in KINDS:
+            c = self.model.counts(kind)
+            assert sum(c) == self.budget[kind], f"{kind} budget broken: {sum(c)} != {self.budget[kind]}"
+            assert all(lo <= x <= hi for x, lo, hi in zip(c, self.lo[kind], self.hi[kind])), f"{kind} bounds: {c}"
+
+    def counts(self, kind):
+        return self.model.counts(kind)
+
+    def density(self):
+        return weight_density(self.model.cfg, self.counts("heads"), self.counts("mlp"))
+
+    def state_dict(self):
+        return {"acc": self.acc, "nacc": self.nacc, "fresh": self.fresh, "gen": self.gen.get_state()}
+
+    def load_state_dict(self, sd):
+        self.acc, self.nacc, self.fresh = sd["acc"], sd["nacc"], sd["fresh"]
+        self.gen.set_state(sd["gen"])
+        self.check()
+
+
+def weight_density(cfg, heads, mlp):
+    """Active block weights (qkv, proj, fc1, fc2) over those of the dense model."""
+    per_head, per_channel = 4 * cfg.dim * cfg.head_dim, 2 * cfg.dim
+    dense = cfg.depth * (cfg.num_heads * per_head + cfg.mlp_hidden * per_channel)
+    return (sum(heads) * per_head + sum(mlp) * per_channel) / dense

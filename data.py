@@ -1,0 +1,149 @@
+"""
+Datasets. Small ones (CIFAR, MNIST, Fashion-MNIST, synthetic) live on the training device as uint8
+and are augmented there (random crop with 4 px padding, horizontal flip), so the input pipeline never
+limits img/s, not even for a model at density 0.1. An image folder (ImageNet layout) goes through a
+torchvision DataLoader. Batch order and augmentation are a pure function of (seed, epoch, batch), so a
+run resumed in the middle of an epoch sees exactly the batches it would have seen.
+"""
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+DATASETS = ("cifar10", "cifar100", "mnist", "fashion-mnist", "synthetic", "folder")
+
+
+class DataError(RuntimeError):
+    pass
+
+
+@dataclass
+class DataInfo:
+    in_chans: int
+    img_size: int
+    num_classes: int
+
+
+def class_patterns(num_classes=10, size=32, chans=3, seed=0):
+    """One smooth random pattern per class, fixed by seed (shared by the train and test sets)."""
+    g = torch.Generator().manual_seed(seed)
+    low = torch.randn(num_classes, chans, 8, 8, generator=g)
+    return F.interpolate(low, size=(size, size), mode="bilinear", align_corners=False)
+
+
+def make_synthetic(n, patterns, seed):
+    """A learnable made-up set: a sample is its class pattern, randomly scaled and shifted, plus
+    another class's pattern at lower weight and pixel noise, quantised to uint8 like a real image."""
+    g = torch.Generator().manual_seed(seed)
+    C = patterns.shape[0]
+    y = torch.randint(0, C, (n,), generator=g)
+    other = torch.randint(0, C, (n,), generator=g)
+    scale = 0.7 + 0.6 * torch.rand(n, 1, 1, 1, generator=g)
+    x = scale * patterns[y] + 0.5 * patterns[other] + 0.5 * torch.randn(n, *patterns.shape[1:], generator=g)
+    shifts = torch.randint(-3, 4, (n, 2), generator=g).tolist()
+    x = torch.stack([torch.roll(xi, shifts=s, dims=(1, 2)) for xi, s in zip(x, shifts)])
+    x = ((x / 4 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+    return x, y
+
+
+def torchvision_set(name, root, train):
+    import torchvision.datasets as tvd
+
+    cls = {"cifar10": tvd.CIFAR10, "cifar100": tvd.CIFAR100, "mnist": tvd.MNIST, "fashion-mnist": tvd.FashionMNIST}[name]
+    try:
+        ds = cls(root, train=train, download=True)
+    except Exception as e:  # no network, a proxy, a half-written file...
+        raise DataError(f"could not get {name} into {os.path.abspath(root)!r} ({type(e).__name__}: {e}). "
+                           f"Put the files torchvision expects there by hand, or try the tool offline with "
+                           f"--data synthetic") from None
+    x = torch.as_tensor(ds.data)
+    x = x.permute(0, 3, 1, 2) if x.ndim == 4 else F.pad(x[:, None], (2, 2, 2, 2))  # MNIST: 28 -> 32 px
+    return x.contiguous(), torch.as_tensor(ds.targets)
+
+
+class TensorLoader:
+    """Batches from uint8 images held on `device`; augmentation on the device."""
+
+    def __init__(self, x, y, batch_size, train, mean, std, seed=0, device="cpu"):
+        self.x, self.y = x.to(device), y.to(device)
+        self.batch_size, self.train, self.seed, self.device = batch_size, train, seed, device
+        self.mean = mean.view(1, -1, 1, 1).to(device)
+        self.std = std.view(1, -1, 1, 1).to(device)
+
+    def __len__(self):  # the last partial batch is dropped in training, kept in evaluation
+        n = len(self.x)
+        return n // self.batch_size if self.train else -(-n // self.batch_size)
+
+    def epoch(self, epoch, start=0):
+        """Yield (images, labels) of one epoch, from batch `start` on."""
+        n, B = len(self.x), self.batch_size
+        order = torch.arange(n)
+        if self.train:
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 100003 + epoch))
+        for b in range(start, len(self)):
+            idx = order[b * B:(b + 1) * B].to(self.device)
+            x = self.x[idx].float().div_(255)
+            if self.train:
+                x = self.augment(x, torch.Generator().manual_seed((self.seed * 100003 + epoch) * 100003 + b))
+            yield (x - self.mean) / self.std, self.y[idx]
+
+    def augment(self, x, g):
+        B, C, H, W = x.shape
+        dy, dx = (torch.randint(0, 9, (2, B), generator=g)).to(x.device)
+        flip = (torch.rand(B, generator=g) < 0.5).to(x.device)
+        xp = F.pad(x, (4, 4, 4, 4))
+        rows = (dy[:, None] + torch.arange(H, device=x.device))[:, None, :, None]
+        cols = (dx[:, None] + torch.arange(W, device=x.device))[:, None, None, :]
+        cols = torch.where(flip[:, None, None, None], cols.flip(-1), cols)
+        return xp[torch.arange(B, device=x.device)[:, None, None, None], torch.arange(C, device=x.device)[None, :, None, None], rows, cols]
+
+
+class FolderLoader:
+    """An ImageNet-layout folder (train/ and val/, one subfolder per class) through a DataLoader."""
+
+    def __init__(self, root, img_size, batch_size, train, seed=0, workers=8):
+        import torchvision.datasets as tvd
+        import torchvision.transforms as T
+
+        mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+        tf = (T.Compose([T.RandomResizedCrop(img_size), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(mean, std)])
+              if train else T.Compose([T.Resize(int(img_size * 8 / 7)), T.CenterCrop(img_size), T.ToTensor(), T.Normalize(mean, std)]))
+        self.ds = tvd.ImageFolder(os.path.join(root, "train" if train else "val"), transform=tf)
+        self.batch_size, self.train, self.seed, self.workers = batch_size, train, seed, workers
+
+    def __len__(self):
+        n = len(self.ds)
+        return n // self.batch_size if self.train else -(-n // self.batch_size)
+
+    def epoch(self, epoch, start=0):
+        g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
+        dl = torch.utils.data.DataLoader(self.ds, self.batch_size, shuffle=self.train, drop_last=self.train,
+                                         generator=g, num_workers=self.workers, pin_memory=True,
+                                         persistent_workers=False)
+        for b, batch in enumerate(dl):
+            if b >= start:  # worker-side augmentation is not replayed exactly after a resume
+                yield batch
+
+
+def load(name, data_dir, batch_size, device, img_size=224, seed=0, workers=8):
+    """(train loader, test loader, DataInfo). `img_size` is used only for an image folder."""
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
+    if name == "folder":
+        for split in ("train", "val"):
+            if not os.path.isdir(os.path.join(data_dir, split)):
+                raise FileNotFoundError(f"--data folder needs {os.path.join(data_dir, split)!r} (one subfolder per class)")
+        tr = FolderLoader(data_dir, img_size, batch_size, True, seed, workers)
+        te = FolderLoader(data_dir, img_size, batch_size, False, seed, workers)
+        return tr, te, DataInfo(3, img_size, len(tr.ds.classes))
+    if name == "synthetic":
+        patterns = class_patterns()
+        (xtr, ytr), (xte, yte) = make_synthetic(5000, patterns, 1), make_synthetic(1000, patterns, 2)
+    else:
+        (xtr, ytr), (xte, yte) = torchvision_set(name, data_dir, True), torchvision_set(name, data_dir, False)
+    xf = xtr.float() / 255  # normalisation from the training set itself
+    mean, std = xf.mean((0, 2, 3)), xf.std((0, 2, 3))
+    info = DataInfo(xtr.shape[1], xtr.shape[2], int(ytr.max()) + 1)
+    return (TensorLoader(xtr, ytr, batch_size, True, mean, std, seed, device),
+            TensorLoader(xte, yte, batch_size, False, mean, std, seed, device), info)

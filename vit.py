@@ -1,0 +1,221 @@
+"""
+A Vision Transformer whose blocks each hold their own number of attention heads and MLP hidden
+channels, and the slicing primitives that resize them. Names follow timm's vision_transformer.py.
+
+Tensor layout that everything else relies on (resize, masks, statistics):
+  attn.qkv.weight  (3*h*hd, D)  rows [q_0 .. q_{h-1} | k_0 .. k_{h-1} | v_0 .. v_{h-1}], hd rows each
+  attn.qkv.bias    (3*h*hd,)    same rows
+  attn.proj.weight (D, h*hd)    columns [head_0 .. head_{h-1}], hd columns each
+  mlp.fc1.weight   (F, D), mlp.fc1.bias (F,)   row c belongs to channel c
+  mlp.fc2.weight   (D, F)                      column c belongs to channel c
+A head or channel is a "unit". Its INPUT side (qkv rows / fc1 row) computes it, its OUTPUT side
+(proj columns / fc2 column) reads it. attn.proj.bias and mlp.fc2.bias belong to no unit.
+"""
+import warnings
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.utils import parametrize
+
+
+@dataclass(frozen=True)
+class ViTConfig:
+    img_size: int = 32
+    patch_size: int = 4
+    in_chans: int = 3
+    num_classes: int = 10
+    dim: int = 192
+    depth: int = 12
+    num_heads: int = 3  # dense heads per block; head_dim = dim // num_heads stays fixed
+    mlp_ratio: float = 4.0
+
+    @property
+    def head_dim(self):
+        return self.dim // self.num_heads
+
+    @property
+    def mlp_hidden(self):
+        return int(self.dim * self.mlp_ratio)
+
+
+PRESETS = {
+    "micro": ViTConfig(img_size=32, patch_size=8, dim=32, depth=3, num_heads=4, mlp_ratio=2.0),
+    "cifar-tiny": ViTConfig(img_size=32, patch_size=4, dim=192, depth=12, num_heads=3),
+    "deit-tiny": ViTConfig(img_size=224, patch_size=16, num_classes=1000, dim=192, depth=12, num_heads=3),
+    "deit-small": ViTConfig(img_size=224, patch_size=16, num_classes=1000, dim=384, depth=12, num_heads=6),
+    "deit-base": ViTConfig(img_size=224, patch_size=16, num_classes=1000, dim=768, depth=12, num_heads=12),
+}
+
+
+def linear(n_in, n_out):
+    # a block may hold 0 units: nn.Linear warns that initialising an empty tensor is a no-op
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return nn.Linear(n_in, n_out)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, num_heads, head_dim):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.qkv = linear(dim, 3 * num_heads * head_dim)
+        self.proj = linear(num_heads * head_dim, dim)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        if self.num_heads == 0:  # what a fully masked branch outputs, with no zero-size kernels
+            return self.proj.bias.expand(B, N, C)
+        qkv = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # (B, h, N, hd) each
+        x = F.scaled_dot_product_attention(q, k, v)
+        x = x.transpose(1, 2).reshape(B, N, self.num_heads * self.head_dim)
+        return self.proj(x)
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.hidden = hidden
+        self.fc1 = linear(dim, hidden)
+        self.fc2 = linear(hidden, dim)
+
+    def forward(self, x):
+        if self.hidden == 0:
+            return self.fc2.bias.expand(x.shape)
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, dim, num_heads, head_dim, hidden):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = Attention(dim, num_heads, head_dim)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = Mlp(dim, hidden)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        x = x + self.mlp(self.norm2(x))
+        return x
+
+    # ---- the one place that says which rows/columns of which tensors a unit owns ----
+    def units(self, kind):
+        """For kind 'heads' or 'mlp': (n units, rows per unit w, [(module, attr, dim, side, segments)]).
+        Unit u owns rows seg*n*w + u*w + [0, w) along `dim` for seg < segments (see the layout above)."""
+        if kind == "heads":
+            a = self.attn
+            return a.num_heads, a.head_dim, [(a.qkv, "weight", 0, "in", 3), (a.qkv, "bias", 0, "in", 3),
+                                             (a.proj, "weight", 1, "out", 1)]
+        if kind == "mlp":
+            m = self.mlp
+            return m.hidden, 1, [(m.fc1, "weight", 0, "in", 1), (m.fc1, "bias", 0, "in", 1),
+                                 (m.fc2, "weight", 1, "out", 1)]
+        raise ValueError(f"unit kind must be 'heads' or 'mlp', got {kind!r}")
+
+    def set_units(self, kind, n):
+        """Record a new unit count after the tensors were replaced (keeps Linear metadata honest)."""
+        if kind == "heads":
+            self.attn.num_heads = n
+            self.attn.qkv.out_features = 3 * n * self.attn.head_dim
+            self.attn.proj.in_features = n * self.attn.head_dim
+        else:
+            self.mlp.hidden = n
+            self.mlp.fc1.out_features = n
+            self.mlp.fc2.in_features = n
+
+
+def unit_rows(idx, n, w, segments):
+    """Indices along a tensor's unit dim for units idx (n units of w rows, `segments` blocks of n*w)."""
+    r = (idx[:, None] * w + torch.arange(w, device=idx.device)).reshape(-1)
+    return torch.cat([s * n * w + r for s in range(segments)])
+
+
+def per_row(values, w, segments):
+    """Expand one value per unit to one value per row, in unit_rows' order."""
+    return values.repeat_interleave(w).repeat(segments)
+
+
+def leaf(mod, attr):
+    """The trainable tensor behind mod.attr: the original when a mask parametrization sits on it."""
+    return mod.parametrizations[attr].original if parametrize.is_parametrized(mod, attr) else getattr(mod, attr)
+
+
+class ViT(nn.Module):
+    def __init__(self, cfg: ViTConfig, heads=None, mlp=None):
+        """heads[i], mlp[i]: units of block i (default: dense, cfg.num_heads and cfg.mlp_hidden)."""
+        super().__init__()
+        if cfg.img_size % cfg.patch_size or cfg.dim % cfg.num_heads:
+            raise ValueError(f"img_size must divide by patch_size and dim by num_heads: {cfg}")
+        heads = [cfg.num_heads] * cfg.depth if heads is None else list(heads)
+        mlp = [cfg.mlp_hidden] * cfg.depth if mlp is None else list(mlp)
+        if len(heads) != cfg.depth or len(mlp) != cfg.depth:
+            raise ValueError(f"need {cfg.depth} head and mlp counts, got {len(heads)} and {len(mlp)}")
+        self.cfg = cfg
+        D, N = cfg.dim, (cfg.img_size // cfg.patch_size) ** 2
+        self.patch_embed = nn.Conv2d(cfg.in_chans, D, cfg.patch_size, cfg.patch_size)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, D))
+        self.pos_embed = nn.Parameter(torch.zeros(1, N + 1, D))
+        self.blocks = nn.ModuleList([Block(D, h, cfg.head_dim, f) for h, f in zip(heads, mlp)])
+        self.norm = nn.LayerNorm(D, eps=1e-6)
+        self.head = nn.Linear(D, cfg.num_classes)
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        nn.init.normal_(self.cls_token, std=1e-6)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.trunc_normal_(m.weight, std=0.02)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, img):
+        x = self.patch_embed(img).flatten(2).transpose(1, 2)  # (B, N, D)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.norm(x)[:, 0])  # (B, classes)
+
+    def counts(self, kind):
+        return [b.units(kind)[0] for b in self.blocks]
+
+    def flops_per_image(self):
+        """Multiply-adds of one forward pass (matmuls only; what the unit counts decide)."""
+        c = self.cfg
+        N, D, hd = (c.img_size // c.patch_size) ** 2 + 1, c.dim, c.head_dim
+        total = N * D * c.in_chans * c.patch_size ** 2 + D * c.num_classes
+        for b in self.blocks:
+            h, f = b.attn.num_heads, b.mlp.hidden
+            total += N * D * 4 * h * hd + 2 * N * N * h * hd + 2 * N * D * f
+        return total
+
+
+def from_torchvision(tv_model, num_classes=None):
+    """Our ViT holding the weights of a torchvision VisionTransformer (same logits, eval mode)."""
+    sd = tv_model.state_dict()
+    D = tv_model.hidden_dim
+    cfg = ViTConfig(img_size=tv_model.image_size, patch_size=tv_model.patch_size,
+                    in_chans=tv_model.conv_proj.in_channels, num_classes=sd["heads.head.weight"].shape[0],
+                    dim=D, depth=len(tv_model.encoder.layers), num_heads=tv_model.encoder.layers[0].num_heads,
+                    mlp_ratio=tv_model.mlp_dim / D)
+    if "heads.pre_logits.weight" in sd:
+        raise ValueError("torchvision ViT with representation_size (pre_logits) is not supported")
+    ours = {"patch_embed.weight": sd["conv_proj.weight"], "patch_embed.bias": sd["conv_proj.bias"],
+            "cls_token": sd["class_token"], "pos_embed": sd["encoder.pos_embedding"],
+            "norm.weight": sd["encoder.ln.weight"], "norm.bias": sd["encoder.ln.bias"],
+            "head.weight": sd["heads.head.weight"], "head.bias": sd["heads.head.bias"]}
+    for i in range(cfg.depth):
+        p, q = f"encoder.layers.encoder_layer_{i}.", f"blocks.{i}."
+        # nn.MultiheadAttention's in_proj is [q | k | v] with heads contiguous: our qkv layout
+        for a, b in [("ln_1", "norm1"), ("ln_2", "norm2"), ("self_attention.out_proj", "attn.proj"),
+                     ("mlp.0", "mlp.fc1"), ("mlp.3", "mlp.fc2")]:
+            ours[q + b + ".weight"], ours[q + b + ".bias"] = sd[p + a + ".weight"], sd[p + a + ".bias"]
+        ours[q + "attn.qkv.weight"] = sd[p + "self_attention.in_proj_weight"]
+        ours[q + "attn.qkv.bias"] = sd[p + "self_attention.in_proj_bias"]
+    model = ViT(cfg)
+    model.load_state_dict(ours)
+    return model
+
+
+def preset(name, **overrides):
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose from {', '.join(PRESETS)}")
+    return replace(PRESETS[name], **overrides)
