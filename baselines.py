@@ -208,13 +208,8 @@ class Masked(MaskedMethod):
                     p = mod.parametrizations[attr][0]
                     was = p.mask.clone()
                     p.mask.copy_(self.unit_mask(i, kind, mod, attr))
-                    W = leaf(mod, attr)
-                    grown = (p.mask > was).to(W.dtype)
-                    if p.fill is not None:
-                        W.add_(p.fill * grown)
-                    for v in optimizer.state.get(W, {}).values():  # grown units start with no history
-                        if torch.is_tensor(v) and v.shape == W.shape:
-                            v.mul_(1 - grown)
+                    if p.fill is not None:  # state of a grown unit is zero already: it was masked
+                        leaf(mod, attr).add_(p.fill * (p.mask > was))
                     p.fill, p.capture, p.grad = None, False, None
         self.apply_masks(optimizer)
         self.check_zero(optimizer)
@@ -353,8 +348,9 @@ class BiDST(Unstructured):
     def after_backward(self, optimizer, t):
         lr = optimizer.param_groups[0]["lr"]
         for name, (mod, attr, p) in self.masks.items():
-            g, s, W = p.grad.float(), self.logits[name], leaf(mod, attr).float()
-            u = torch.rand(s.shape, generator=self.gen).clamp_(1e-6, 1 - 1e-6).to(s.device)
+            s = self.logits[name]
+            g, W = p.grad.to(s.dtype), leaf(mod, attr).to(s.dtype)
+            u = torch.rand(s.shape, generator=self.gen, dtype=s.dtype).clamp_(1e-6, 1 - 1e-6).to(s.device)
             m = torch.sigmoid((s + torch.log(u) - torch.log1p(-u)) / self.tau)
             ds = (g * W - lr * g * g) * m * (1 - m) / self.tau
             s -= self.logit_lr * ds / (ds.pow(2).mean().sqrt() + 1e-12)

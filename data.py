@@ -5,6 +5,7 @@ limits img/s, not even for a model at density 0.1. An image folder (ImageNet lay
 torchvision DataLoader. Batch order and augmentation are a pure function of (seed, epoch, batch), so a
 run resumed in the middle of an epoch sees exactly the batches it would have seen.
 """
+import functools
 import os
 from dataclasses import dataclass
 
@@ -45,6 +46,12 @@ def make_synthetic(n, patterns, seed):
     x = torch.stack([torch.roll(xi, shifts=s, dims=(1, 2)) for xi, s in zip(x, shifts)])
     x = ((x / 4 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
     return x, y
+
+
+@functools.lru_cache(maxsize=1)
+def synthetic_set():
+    patterns = class_patterns()
+    return make_synthetic(5000, patterns, 1), make_synthetic(1000, patterns, 2)
 
 
 def torchvision_set(name, root, train):
@@ -138,8 +145,7 @@ def load(name, data_dir, batch_size, device, img_size=224, seed=0, workers=8):
         te = FolderLoader(data_dir, img_size, batch_size, False, seed, workers)
         return tr, te, DataInfo(3, img_size, len(tr.ds.classes))
     if name == "synthetic":
-        patterns = class_patterns()
-        (xtr, ytr), (xte, yte) = make_synthetic(5000, patterns, 1), make_synthetic(1000, patterns, 2)
+        (xtr, ytr), (xte, yte) = synthetic_set()
     else:
         (xtr, ytr), (xte, yte) = torchvision_set(name, data_dir, True), torchvision_set(name, data_dir, False)
     xf = xtr.float() / 255  # normalisation from the training set itself

@@ -210,7 +210,7 @@ def from_torchvision(tv_model, num_classes=None):
             ours[q + b + ".weight"], ours[q + b + ".bias"] = sd[p + a + ".weight"], sd[p + a + ".bias"]
         ours[q + "attn.qkv.weight"] = sd[p + "self_attention.in_proj_weight"]
         ours[q + "attn.qkv.bias"] = sd[p + "self_attention.in_proj_bias"]
-    model = ViT(cfg)
+    model = ViT(cfg).to(sd["class_token"].dtype)
     model.load_state_dict(ours)
     return model
 

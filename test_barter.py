@@ -1,0 +1,457 @@
+"""
+Tests: CPU only, no network, micro models, a few minutes on 2 cores. Every check compares against a
+reference computed here: a hand-written ViT forward with explicit gates, a dense model masked by
+hand, torchvision's VisionTransformer, index arithmetic written out independently of vit.unit_rows.
+"""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import data
+import train
+from barter import Barter, Schedule, resize, taylor_scores, unit_budgets
+from baselines import BiDST, Dense, Masked, Unstructured, erk_densities
+from vit import PRESETS, ViT, from_torchvision, leaf
+
+CFG = PRESETS["micro"]  # 3 blocks, dim 32, 4 heads of 8, 64 MLP channels
+HD = CFG.head_dim
+
+
+def micro(seed=0, dtype=torch.float64, **kw):
+    torch.manual_seed(seed)
+    m = ViT(replace(CFG, **kw)).to(dtype)
+    with torch.no_grad():  # nonzero biases, so that a bias leak would show
+        for n, p in m.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0, 0.1)
+    return m
+
+
+def batch(n=4, seed=1, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, 32, 32, generator=g, dtype=dtype), torch.randint(0, 10, (n,), generator=g)
+
+
+# ---- an independent reference forward: explicit per-head attention, gates on every unit --------
+
+def ref_forward(m, x, head_gates=None, mlp_gates=None):
+    """Hand-written forward of our ViT's weights (softmax attention, no SDPA). head_gates[i] (h_i,)
+    multiplies each head's output before proj; mlp_gates[i] (f_i,) each channel after the GELU."""
+    x = F.conv2d(x, m.patch_embed.weight, m.patch_embed.bias, stride=CFG.patch_size).flatten(2).transpose(1, 2)
+    x = torch.cat([m.cls_token.expand(len(x), -1, -1), x], 1) + m.pos_embed
+    for i, b in enumerate(m.blocks):
+        h, D = b.attn.num_heads, CFG.dim
+        y = F.layer_norm(x, (D,), b.norm1.weight, b.norm1.bias, 1e-6)
+        qkv = y @ leaf(b.attn.qkv, "weight").T + leaf(b.attn.qkv, "bias")
+        outs = []
+        for j in range(h):
+            q, k, v = (qkv[..., s * h * HD + j * HD: s * h * HD + (j + 1) * HD] for s in range(3))
+            a = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(HD), -1) @ v
+            outs.append(a * (head_gates[i][j] if head_gates else 1))
+        attn = b.attn.proj.bias + (torch.cat(outs, -1) @ leaf(b.attn.proj, "weight").T if h else 0)
+        x = x + attn
+        y = F.layer_norm(x, (D,), b.norm2.weight, b.norm2.bias, 1e-6)
+        f = b.mlp.hidden
+        hid = F.gelu(y @ leaf(b.mlp.fc1, "weight").T + leaf(b.mlp.fc1, "bias"))
+        if mlp_gates:
+            hid = hid * mlp_gates[i]
+        x = x + b.mlp.fc2.bias + (hid @ leaf(b.mlp.fc2, "weight").T if f else 0)
+    return F.layer_norm(x, (CFG.dim,), m.norm.weight, m.norm.bias, 1e-6)[:, 0] @ m.head.weight.T + m.head.bias
+
+
+def qkv_rows(heads, h):
+    """Rows of qkv owned by the given heads, written out: q block, then k block, then v block."""
+    return [s * h * HD + j * HD + r for s in range(3) for j in heads for r in range(HD)]
+
+
+def head_cols(heads):
+    return [j * HD + r for j in heads for r in range(HD)]
+
+
+def mask_by_hand(m, heads, mlp):
+    """Zero every tensor entry of the units NOT in heads[i] / mlp[i] (a dense model, masked)."""
+    with torch.no_grad():
+        for b, hk, fk in zip(m.blocks, heads, mlp):
+            drop_h = [j for j in range(CFG.num_heads) if j not in hk]
+            drop_f = [c for c in range(CFG.mlp_hidden) if c not in fk]
+            b.attn.qkv.weight[qkv_rows(drop_h, CFG.num_heads)] = 0
+            b.attn.qkv.bias[qkv_rows(drop_h, CFG.num_heads)] = 0
+            b.attn.proj.weight[:, head_cols(drop_h)] = 0
+            b.mlp.fc1.weight[drop_f] = 0
+            b.mlp.fc1.bias[drop_f] = 0
+            b.mlp.fc2.weight[:, drop_f] = 0
+
+
+def test_model_matches_hand_written_reference():
+    m = micro()
+    x, _ = batch()
+    torch.testing.assert_close(m(x), ref_forward(m, x), rtol=0, atol=1e-12)
+
+
+# ---- issue 2, test 1: compact slice == dense with the other units removed by hand --------------
+
+def test_compact_slice_equals_dense_masked_by_hand():
+    heads = [[2, 0], [], [1, 2, 3]]
+    mlp = [[5, 1, 60], list(range(0, 64, 3)), []]
+    dense, compact = micro(), micro()
+    mask_by_hand(dense, heads, mlp)
+    resize(compact, None, [torch.tensor(h, dtype=torch.long) for h in heads],
+           [torch.tensor(f, dtype=torch.long) for f in mlp])
+    assert compact.counts("heads") == [2, 0, 3] and compact.counts("mlp") == [3, 22, 0]
+    x, y = batch()
+    for mm in (dense, compact):
+        F.cross_entropy(mm(x), y).backward()
+    torch.testing.assert_close(compact(x), dense(x), rtol=0, atol=1e-12)
+    for i, (bd, bc) in enumerate(zip(dense.blocks, compact.blocks)):
+        rows = qkv_rows(heads[i], CFG.num_heads)
+        torch.testing.assert_close(bc.attn.qkv.weight.grad if heads[i] else torch.zeros(0, CFG.dim, dtype=torch.float64),
+                                   bd.attn.qkv.weight.grad[rows], rtol=0, atol=1e-12)
+        torch.testing.assert_close(bc.attn.proj.weight.grad if heads[i] else torch.zeros(CFG.dim, 0, dtype=torch.float64),
+                                   bd.attn.proj.weight.grad[:, head_cols(heads[i])], rtol=0, atol=1e-12)
+        torch.testing.assert_close(bc.attn.proj.bias.grad, bd.attn.proj.bias.grad, rtol=0, atol=1e-12)
+        if mlp[i]:
+            torch.testing.assert_close(bc.mlp.fc1.weight.grad, bd.mlp.fc1.weight.grad[mlp[i]], rtol=0, atol=1e-12)
+            torch.testing.assert_close(bc.mlp.fc2.weight.grad, bd.mlp.fc2.weight.grad[:, mlp[i]], rtol=0, atol=1e-12)
+    torch.testing.assert_close(compact.head.weight.grad, dense.head.weight.grad, rtol=0, atol=1e-12)
+
+
+def test_empty_branch_adds_only_its_bias_and_backprops():
+    m = micro()
+    resize(m, None, [torch.zeros(0, dtype=torch.long)] * 3, [torch.zeros(0, dtype=torch.long)] * 3)
+    x, y = batch()
+    F.cross_entropy(m(x), y).backward()
+    torch.testing.assert_close(m(x), ref_forward(m, x), rtol=0, atol=1e-12)
+    assert m.blocks[0].attn.proj.bias.grad is not None and m.blocks[0].mlp.fc2.bias.grad is not None
+    assert m.blocks[0].attn.qkv.weight.shape == (0, CFG.dim)
+
+
+# ---- issue 2, test 2: clones preserve the function -------------------------------------------
+
+CLONE_HEADS = [[0, 1, 2, 3, 1, 1], [3, 3, 3], []]  # block 0: head 1 split 3 ways; block 1: one head 3 ways
+CLONE_MLP = [list(range(64)) + [7, 7, 9], [0, 0, 1, 2], []]
+
+
+def clone_plan():
+    return ([torch.tensor(h, dtype=torch.long) for h in CLONE_HEADS],
+            [torch.tensor(f, dtype=torch.long) for f in CLONE_MLP])
+
+
+def clone_source():
+    """A model whose units outside the clone plan's sources are already removed by hand."""
+    m = micro()
+    mask_by_hand(m, [[0, 1, 2, 3], [3], []], [list(range(64)), [0, 1, 2], []])
+    return m
+
+
+def test_clone_preserves_logits_exactly():
+    m = clone_source()
+    x, _ = batch()
+    before = m(x)
+    resize(m, None, *clone_plan())
+    assert m.counts("heads") == [6, 3, 0] and m.counts("mlp") == [67, 4, 0]
+    torch.testing.assert_close(m(x), before, rtol=0, atol=1e-12)
+
+
+def test_clone_perturbation_is_symmetric_to_first_order():
+    x, _ = batch()
+    before = clone_source()(x)
+    diffs = []
+    for eps in (1e-4, 2e-4):
+        m = clone_source()
+        resize(m, None, *clone_plan(), eps=eps, generator=torch.Generator().manual_seed(0))
+        assert not torch.equal(m.blocks[0].attn.qkv.weight[HD:2 * HD], m.blocks[0].attn.qkv.weight[4 * HD:5 * HD])
+        diffs.append((m(x) - before).abs().max().item())
+    # an asymmetric perturbation would change the logits in first order (ratio 2); ours in second (4)
+    assert 3.5 < diffs[1] / diffs[0] < 4.5
+
+
+# ---- issue 2, test 3: optimizer state is remapped with the same indices ------------------------
+
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
+def test_optimizer_state_remap(opt_name):
+    m = micro()
+    opt = (train.make_optimizer(m, 1e-3, 0.05) if opt_name == "adamw"
+           else torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9, weight_decay=1e-4))
+    x, y = batch()
+    for _ in range(2):
+        opt.zero_grad()
+        F.cross_entropy(m(x), y).backward()
+        opt.step()
+    blk = m.blocks[0]
+    old = {n: (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
+           for n, p in blk.named_parameters()}
+    groups = [(len(g["params"]), g["weight_decay"]) for g in opt.param_groups]
+    heads = [torch.tensor([2, 0, 0]), None, None]  # drop 1 and 3, split 0 in two
+    mlp = [torch.tensor([4, 4, 4, 10]), None, None]
+    resize(m, opt, heads, mlp)
+    assert [(len(g["params"]), g["weight_decay"]) for g in opt.param_groups] == groups
+    live = {id(p) for p in m.parameters()}
+    assert all(id(p) in live for g in opt.param_groups for p in g["params"])
+    assert all(id(p) in live for p in opt.state)
+    first, second = ("exp_avg", "exp_avg_sq") if opt_name == "adamw" else ("momentum_buffer", None)
+    src = [2, 0, 0]
+    m_of = [1, 2, 2]  # copies of each new head's source
+    rows = [s * 4 * HD + j * HD + r for s in range(3) for j in src for r in range(HD)]
+    rscale = torch.tensor([1 / m_of[k] for s in range(3) for k in range(3) for r in range(HD)], dtype=torch.float64)
+    cols = [j * HD + r for j in src for r in range(HD)]
+    cscale = torch.tensor([1 / m_of[k] for k in range(3) for r in range(HD)], dtype=torch.float64)
+    new_state = {n: opt.state[p] for n, p in blk.named_parameters()}
+    for n, p in blk.named_parameters():
+        assert p.shape == new_state[n][first].shape
+        if opt_name == "adamw":
+            assert torch.equal(new_state[n]["step"], old[n][1]["step"])
+    W, S = old["attn.qkv.weight"]
+    torch.testing.assert_close(blk.attn.qkv.weight.detach(), W[rows], rtol=0, atol=0)
+    torch.testing.assert_close(new_state["attn.qkv.weight"][first], S[first][rows] * rscale[:, None], rtol=0, atol=1e-15)
+    if second:
+        torch.testing.assert_close(new_state["attn.qkv.weight"][second], S[second][rows] * rscale[:, None] ** 2, rtol=0, atol=1e-18)
+    W, S = old["attn.proj.weight"]
+    torch.testing.assert_close(blk.attn.proj.weight.detach(), W[:, cols] * cscale, rtol=0, atol=1e-15)
+    torch.testing.assert_close(new_state["attn.proj.weight"][first], S[first][:, cols], rtol=0, atol=0)
+    W, S = old["mlp.fc1.bias"]
+    torch.testing.assert_close(new_state["mlp.fc1.bias"][first], S[first][[4, 4, 4, 10]] * torch.tensor([1 / 3] * 3 + [1.0], dtype=torch.float64), rtol=0, atol=1e-15)
+    W, S = old["mlp.fc2.weight"]
+    torch.testing.assert_close(blk.mlp.fc2.weight.detach(), W[:, [4, 4, 4, 10]] * torch.tensor([1 / 3] * 3 + [1.0], dtype=torch.float64), rtol=0, atol=1e-15)
+    torch.testing.assert_close(new_state["mlp.fc2.weight"][first], S[first][:, [4, 4, 4, 10]], rtol=0, atol=0)
+    assert blk.attn.proj.bias is old["attn.proj.bias"][0] or torch.equal(blk.attn.proj.bias, old["attn.proj.bias"][0])
+    opt.zero_grad()
+    F.cross_entropy(m(x), y).backward()
+    opt.step()  # one more step runs on the resized tensors
+    assert torch.isfinite(m(x)).all()
+
+
+# ---- issue 2, test 4: gate-Taylor score == gradient of an explicit gate -----------------------
+
+def test_gate_taylor_equals_gate_gradient():
+    m = micro()
+    resize(m, None, [torch.tensor([0, 1, 2, 3]), torch.tensor([1]), torch.tensor([], dtype=torch.long)],
+           [torch.arange(64), torch.arange(10), torch.arange(5)])
+    x, y = batch()
+    F.cross_entropy(m(x), y).backward()
+    scores = {k: taylor_scores(m, k) for k in ("heads", "mlp")}
+    hg = [torch.ones(h, dtype=torch.float64, requires_grad=True) for h in m.counts("heads")]
+    fg = [torch.ones(f, dtype=torch.float64, requires_grad=True) for f in m.counts("mlp")]
+    F.cross_entropy(ref_forward(m, x, hg, fg), y).backward()
+    assert any(s.abs().sum() > 0 for s in scores["heads"])
+    for s, g in zip(scores["heads"] + scores["mlp"], hg + fg):
+        if g.numel() == 0:  # a block with no units: nothing to score
+            assert s.numel() == 0 and g.grad is None
+            continue
+        torch.testing.assert_close(s.double(), g.grad, rtol=1e-5, atol=1e-9)
+
+
+# ---- issue 2, test 5: hundreds of random updates keep budgets and bounds ----------------------
+
+@pytest.mark.parametrize("frac", [0.2, 0.5])  # 0.2: 2 heads over 3 blocks (min 0); 0.5: min 1 head
+def test_random_updates_keep_budgets_exact(frac):
+    m = micro(dtype=torch.float32)
+    sched = Schedule(total_steps=10**6, update_every=1, alpha0=0.5, end_frac=1.0)
+    b = Barter(m, sched, dense_frac=frac, seed=0)
+    b.init_model()
+    opt = train.make_optimizer(m, 1e-3, 0.05)
+    g = torch.Generator().manual_seed(0)
+    B_h, B_f = round(frac * 12 + 1e-9), round(frac * 192 + 1e-9)
+    lo_f = int(0.2 * B_f / 3)
+    moved = 0
+    for t in range(1, 301):
+        b.acc = {k: [torch.rand(n, generator=g) for n in m.counts(k)] for k in ("heads", "mlp")}
+        b.nacc = 1
+        rec = b.update(opt, int(torch.randint(1, 10**6, (1,), generator=g)))
+        moved += rec["moved"]["mlp"]
+        h, f = m.counts("heads"), m.counts("mlp")
+        assert sum(h) == B_h and sum(f) == B_f
+        assert all((1 if B_h >= 3 else 0) <= n <= 4 for n in h) and all(lo_f <= n <= 64 for n in f)
+        assert rec["counts"] == {"heads": h, "mlp": f}
+    assert moved > 0
+    train_x, train_y = batch(dtype=torch.float32)
+    F.cross_entropy(m(train_x), train_y).backward()  # still a working model
+    opt.step()
+
+
+def test_budget_rounding_and_errors():
+    budget, lo, hi = unit_budgets(PRESETS["cifar-tiny"], 0.1)
+    assert budget == {"heads": 4, "mlp": 922} and lo["heads"] == [0] * 12 and hi["mlp"] == [768] * 12
+    with pytest.raises(ValueError):
+        unit_budgets(PRESETS["micro"], 0.01)  # no head left
+    with pytest.raises(ValueError):
+        unit_budgets(PRESETS["micro"], 1.5)
+
+
+# ---- issue 2, test 6: our ViT == torchvision's VisionTransformer ------------------------------
+
+def test_matches_torchvision_vit():
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    tv = VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=4, hidden_dim=32,
+                           mlp_dim=64, num_classes=7).double().eval()
+    with torch.no_grad():
+        for p in tv.parameters():
+            p.normal_(0, 0.2)
+    ours = from_torchvision(tv).double().eval()
+    x = torch.randn(3, 3, 32, 32, dtype=torch.float64)
+    torch.testing.assert_close(ours(x), tv(x), rtol=1e-9, atol=1e-10)
+
+
+# ---- issue 2, test 7 and issue 3, test 5: every method trains ----------------------------------
+
+def run(method, steps=40, frac=0.3, seed=0, update_every=8):
+    m = micro(seed=seed, dtype=torch.float32)
+    sched = Schedule(total_steps=steps, update_every=update_every, alpha0=0.3, end_frac=0.9)
+    meth = train.make_method(method, m, sched, frac, seed=seed)
+    meth.init_model()
+    opt = train.make_optimizer(m, 2e-3, 0.05)
+    x, y = batch(64, seed=5, dtype=torch.float32)
+    losses, recs = [], []
+    for t in range(1, steps + 1):
+        loss, rec = train.train_step(m, m, meth, opt, x, y, t, train.nullcontext(), clip=1.0)
+        losses.append(float(loss))
+        recs += [rec] if rec else []
+    return m, meth, opt, losses, recs
+
+
+def test_barter_trains_moves_units_and_is_deterministic():
+    m, meth, opt, losses, recs = run("barter")
+    assert losses[-1] < 0.7 * losses[0]
+    assert len(recs) >= 4
+    start = {"heads": [2, 1, 1], "mlp": [20, 19, 19]}  # uniform allocation of 4 heads, 58 channels
+    assert any(r["counts"] != start for r in recs), "no unit moved between blocks"
+    assert all(sum(r["counts"]["heads"]) == 4 and sum(r["counts"]["mlp"]) == 58 for r in recs)
+    m2, _, _, losses2, recs2 = run("barter")
+    assert losses == losses2 and recs2[-1]["counts"] == recs[-1]["counts"]
+    for p, q in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("method", ["masked", "rigl", "set", "bidst", "dense"])
+def test_baselines_train(method):
+    m, meth, opt, losses, recs = run(method)
+    assert losses[-1] < 0.7 * losses[0]
+    if method != "dense":
+        assert len(recs) >= 4 and all({"step", "moved", "counts"} <= set(r) for r in recs)
+
+
+# ---- issue 3 ---------------------------------------------------------------------------------
+
+def test_masked_equals_compact():
+    """Same active units: the structured masked model and the compact BARTER model agree."""
+    heads, mlp = [[0, 3], [2], [0, 1, 2, 3]], [list(range(10, 30)), [1, 5, 63], list(range(64))]
+    dense = micro()
+    compact = micro()
+    resize(compact, None, [torch.tensor(h) for h in heads], [torch.tensor(f) for f in mlp])
+    meth = Masked(dense, Schedule(100), dense_frac=0.5)
+    for i in range(3):
+        meth.active["heads"][i] = torch.tensor([j in heads[i] for j in range(4)])
+        meth.active["mlp"][i] = torch.tensor([c in mlp[i] for c in range(64)])
+        for kind in ("heads", "mlp"):
+            for mod, attr, *_ in dense.blocks[i].units(kind)[2]:
+                mod.parametrizations[attr][0].mask = meth.unit_mask(i, kind, mod, attr)
+    x, y = batch()
+    ld, lc = F.cross_entropy(dense(x), y), F.cross_entropy(compact(x), y)
+    torch.testing.assert_close(dense(x), compact(x), rtol=0, atol=1e-12)
+    ld.backward()
+    lc.backward()
+    for i, (bd, bc) in enumerate(zip(dense.blocks, compact.blocks)):
+        rows = qkv_rows(heads[i], 4)
+        torch.testing.assert_close(leaf(bd.attn.qkv, "weight").grad[rows], bc.attn.qkv.weight.grad, rtol=0, atol=1e-12)
+        torch.testing.assert_close(leaf(bd.attn.proj, "weight").grad[:, head_cols(heads[i])], bc.attn.proj.weight.grad, rtol=0, atol=1e-12)
+        torch.testing.assert_close(leaf(bd.mlp.fc1, "bias").grad[mlp[i]], bc.mlp.fc1.bias.grad, rtol=0, atol=1e-12)
+        torch.testing.assert_close(leaf(bd.mlp.fc2, "weight").grad[:, mlp[i]], bc.mlp.fc2.weight.grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["masked", "rigl", "set", "bidst"])
+def test_masked_weights_and_state_stay_zero(method):
+    m, meth, opt, losses, recs = run(method, steps=50, update_every=6)
+    assert len(recs) >= 5
+    for name, (mod, attr, p) in meth.masks.items():
+        W, off = leaf(mod, attr), p.mask == 0
+        assert off.any()
+        assert torch.count_nonzero(W[off]) == 0, name
+        for k, v in opt.state[W].items():
+            if v.shape == W.shape:
+                assert torch.count_nonzero(v[off]) == 0, (name, k)
+
+
+def test_structured_density_from_masks():
+    m, meth, opt, _, _ = run("masked", steps=30)
+    for i, b in enumerate(m.blocks):  # count units from the masks themselves
+        proj = b.attn.proj.parametrizations.weight[0].mask
+        heads_on = int(proj[0].view(4, HD)[:, 0].sum())
+        assert heads_on == meth.counts("heads")[i]
+        assert int(b.mlp.fc1.parametrizations.weight[0].mask[:, 0].sum()) == meth.counts("mlp")[i]
+    assert sum(meth.counts("heads")) == 4 and sum(meth.counts("mlp")) == 58
+    expect = (4 * 4 * 32 * HD + 58 * 2 * 32) / (3 * (4 * 32 * 32 + 2 * 32 * 64))
+    assert meth.density() == pytest.approx(expect, abs=1e-12)
+
+
+@pytest.mark.parametrize("dist", ["uniform", "erk"])
+def test_unstructured_density(dist):
+    m = micro(dtype=torch.float32)
+    meth = Unstructured(m, Schedule(100), 0.2, "gradient", dist)
+    shapes = [(96, 32), (32, 32), (64, 32), (32, 64)] * 3
+    dens = [0.2] * 12 if dist == "uniform" else erk_densities(shapes, 0.2)
+    assert all(0 < d <= 1 for d in dens)
+    total = sum(a * b for a, b in shapes)
+    on = 0
+    for (name, (mod, attr, p)), (a, b), d in zip(meth.masks.items(), shapes, dens):
+        nnz = int(p.mask.count_nonzero())
+        assert abs(nnz - d * a * b) <= 0.5  # within rounding of each layer
+        on += nnz
+    assert abs(on - 0.2 * total) <= len(shapes) / 2
+    assert meth.density() == on / total
+
+
+def test_erk_caps_at_one_and_keeps_the_global_density():
+    shapes = [(4, 4), (1000, 1000), (8, 8)]
+    d = erk_densities(shapes, 0.5)
+    assert d[0] == 1.0 and d[2] == 1.0
+    assert sum(x * a * b for x, (a, b) in zip(d, shapes)) == pytest.approx(0.5 * sum(a * b for a, b in shapes))
+
+
+def layer(model, name):
+    """'blocks.1.fc1' -> model.blocks[1].mlp.fc1"""
+    _, i, sub = name.split(".")
+    return getattr(getattr(model.blocks[int(i)], "attn" if sub in ("qkv", "proj") else "mlp"), sub)
+
+
+def test_bidst_logits_get_the_loss_gradient_and_binarize_exactly():
+    m, ref = micro(), micro()  # the same init
+    meth = BiDST(m, Schedule(total_steps=100, update_every=3, end_frac=1.0), 0.3)
+    meth.init_model()
+    masks = {n: p.mask.clone() for n, (_, _, p) in meth.masks.items()}
+    with torch.no_grad():  # the reference: a plain model with the same weights masked by hand
+        for name, msk in masks.items():
+            layer(ref, name).weight.mul_(msk)
+    logits0 = {n: s.clone() for n, s in meth.logits.items()}
+    noise = torch.Generator()
+    noise.set_state(meth.gen.get_state())
+    opt = train.make_optimizer(m, 1e-3, 0.0)
+    x, y = batch()
+    train.train_step(m, m, meth, opt, x, y, 1, train.nullcontext())
+    F.cross_entropy(ref(x), y).backward()
+    lr = opt.param_groups[0]["lr"]
+    for name in meth.masks:  # dL/ds = (g W - lr g^2) dm~/ds, with the same logistic noise
+        g, W = layer(ref, name).weight.grad, layer(ref, name).weight.detach()
+        u = torch.rand(g.shape, generator=noise, dtype=torch.float64).clamp_(1e-6, 1 - 1e-6)
+        mt = torch.sigmoid(logits0[name] + torch.log(u) - torch.log1p(-u))
+        torch.testing.assert_close(meth.logit_grad[name], (g * W - lr * g * g) * mt * (1 - mt), rtol=1e-9, atol=1e-15)
+        off = masks[name] == 0
+        assert (meth.logit_grad[name][off] <= 0).all() and (meth.logit_grad[name][off] < 0).any()
+        assert not torch.equal(meth.logits[name], logits0[name])
+    with torch.no_grad():  # push logits across the threshold, then binarize: density stays exact
+        for s in meth.logits.values():
+            s.add_(torch.randn(s.shape, generator=torch.Generator().manual_seed(1), dtype=s.dtype) * 3)
+    for t in (2, 3):
+        rec = train.train_step(m, m, meth, opt, x, y, t, train.nullcontext())[1]
+    assert rec is not None and rec["moved"]["weights"] > 0
+    for name, (mod, attr, p) in meth.masks.items():
+        assert int(p.mask.count_nonzero()) == meth.k[name]
