@@ -455,3 +455,137 @@ def test_bidst_logits_get_the_loss_gradient_and_binarize_exactly():
     assert rec is not None and rec["moved"]["weights"] > 0
     for name, (mod, attr, p) in meth.masks.items():
         assert int(p.mask.count_nonzero()) == meth.k[name]
+
+
+# ---- issue 4: train.py end to end --------------------------------------------------------------
+
+def targs(tmp_path, **kw):
+    base = dict(model="micro", data="synthetic", batch_size=64, epochs=2, warmup_epochs=0, update_every=10,
+                dense_frac=0.3, out_dir=str(tmp_path / "run"), device="cpu")
+    return train.Args(**{**base, **kw})
+
+
+def read_log(path):
+    with open(os.path.join(path, "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("method", train.METHODS)
+def test_main_smoke_every_method(tmp_path, method):
+    a = targs(tmp_path, method=method, max_steps=22)
+    train.main(a)
+    log = read_log(a.out_dir)
+    ep = [r for r in log if r["type"] in ("epoch", "partial-epoch")]
+    assert len(ep) == 1 and ep[0]["step"] == 22 and ep[0]["type"] == "partial-epoch"  # 78 steps per epoch
+    for key in ("train_loss", "test_top1", "img_per_s", "peak_mem_mb", "params", "density"):
+        assert key in ep[-1] and ep[-1][key] == ep[-1][key]
+    ups = [r for r in log if r["type"] == "update"]
+    assert (len(ups) == 2) == (method != "dense")
+    ck = torch.load(os.path.join(a.out_dir, "checkpoint.pt"), weights_only=False)
+    assert ck["step"] == 22 and ck["format"] == train.CKPT_FORMAT
+
+
+@pytest.mark.parametrize("method", ["barter", "masked", "bidst"])
+def test_resume_is_exact(tmp_path, method):
+    whole = targs(tmp_path, method=method, max_steps=100, out_dir=str(tmp_path / "whole"))
+    m1, _, _ = train.main(whole)
+    part = targs(tmp_path, method=method, max_steps=45, out_dir=str(tmp_path / "part"))
+    train.main(part)
+    ck = torch.load(os.path.join(part.out_dir, "checkpoint.pt"), weights_only=False)
+    if method == "barter":  # the checkpoint holds resized blocks, not the uniform start
+        assert ck["heads"] != [2, 1, 1] or ck["mlp"] != [20, 19, 19]
+    m2, _, _ = train.main(replace(part, max_steps=100, resume=os.path.join(part.out_dir, "checkpoint.pt")))
+    assert m1.counts("heads") == m2.counts("heads") and m1.counts("mlp") == m2.counts("mlp")
+    s1, s2 = m1.state_dict(), m2.state_dict()
+    assert s1.keys() == s2.keys()
+    for k in s1:
+        assert torch.equal(s1[k], s2[k]), k
+    ups = [r["step"] for r in read_log(part.out_dir) if r["type"] == "update"]
+    assert ups == [10, 20, 30, 40, 50, 60, 70, 80, 90, 100]
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(dense_frac=0.0), "dense-frac"), (dict(dense_frac=1.5), "dense-frac"), (dict(head_frac=-1.0), "head-frac"),
+    (dict(epochs=0), "epochs"), (dict(batch_size=-4), "batch-size"), (dict(update_every=0), "update-every"),
+    (dict(max_steps=0), "max-steps"), (dict(model="deit-huge"), "model"), (dict(dense_frac=0.01), "no heads"),
+    (dict(data="folder", data_dir="/nonexistent/imagenet"), "not a folder"),
+    (dict(data="cifar10", data_dir="/nonexistent/deep/data"), "not there"),
+    (dict(lr=0.0), "--lr"), (dict(device="cuda:7"), "not available"), (dict(end_frac=0.0), "end-frac"),
+])
+def test_bad_arguments_fail_before_any_work(tmp_path, change, message):
+    a = targs(tmp_path, **change)
+    with pytest.raises(train.ArgError, match=message):
+        train.main(a)
+    assert not os.path.exists(a.out_dir)
+
+
+def test_bad_resume_files(tmp_path):
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a checkpoint")
+    other = tmp_path / "other.pt"
+    torch.save({"hello": 1}, other)
+    for path, message in ((tmp_path / "missing.pt", "no such file"), (junk, "not a readable checkpoint"),
+                          (other, "not a checkpoint of this project")):
+        with pytest.raises(train.ArgError, match=message):
+            train.main(targs(tmp_path, resume=str(path)))
+    a = targs(tmp_path, max_steps=3)
+    train.main(a)
+    with pytest.raises(train.ArgError, match="--dense-frac 0.3"):
+        train.main(replace(a, dense_frac=0.5, resume=os.path.join(a.out_dir, "checkpoint.pt")))
+
+
+def test_cli_bad_value_exits_with_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "train.py", "--dense-frac", "2", "--data", "synthetic"],
+                       capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert r.returncode == 2 and r.stderr.strip() == "error: --dense-frac must be in (0, 1], got 2.0"
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "train.py", "--model", "micro", "--data", "synthetic", "--epochs", "500",
+           "--batch-size", "64", "--device", "cpu", "--out-dir", str(out)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    deadline = time.time() + 120
+    while not (out / "checkpoint.pt").exists() and time.time() < deadline and p.poll() is None:
+        time.sleep(0.2)  # wait for the first epoch's checkpoint: training is under way
+    p.send_signal(signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 0, stderr
+    assert "interrupted: checkpoint at step" in stdout
+    ck = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert ck["step"] > 78  # later than the first epoch's checkpoint: saved on the signal
+
+
+def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    real = train.train_step
+
+    def poisoned(model, fwd, method, opt, x, y, t, *rest, **kw):
+        loss, rec = real(model, fwd, method, opt, x, y, t, *rest, **kw)
+        if t > 90:  # in the second epoch
+            with torch.no_grad():
+                model.head.weight.fill_(float("nan"))
+        return loss, rec
+
+    monkeypatch.setattr(train, "train_step", poisoned)
+    a = targs(tmp_path, max_steps=150)
+    with pytest.raises(SystemExit) as e:
+        train.main(a)
+    assert e.value.code == 1
+    ck = torch.load(os.path.join(a.out_dir, "checkpoint.pt"), weights_only=False)
+    assert ck["step"] == 78 and torch.isfinite(ck["model"]["head.weight"]).all()
+
+
+def test_synthetic_data_is_learnable_and_fixed_by_seed():
+    tr, te, info = data.load("synthetic", "data", 50, "cpu")
+    assert (info.in_chans, info.img_size, info.num_classes) == (3, 32, 10)
+    x1, y1 = next(tr.epoch(3, 2))
+    x2, y2 = next(tr.epoch(3, 2))
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    x3, _ = next(tr.epoch(4, 2))
+    assert not torch.equal(x1, x3)
+    # a nearest-class-mean classifier on raw pixels is far above chance: the set is learnable
+    (xtr, ytr), (xte, yte) = data.synthetic_set()
+    means = torch.stack([xtr[ytr == c].float().mean(0) for c in range(10)]).flatten(1)
+    pred = torch.cdist(xte.float().flatten(1), means).argmin(1)
+    assert (pred == yte).float().mean() > 0.5

@@ -1,0 +1,207 @@
+"""
+Speed and memory of every method, side by side: `python bench.py`.
+
+Same model, batch and data for each (method, density). A training step is forward + backward +
+optimizer step with each method's hooks, timed with device synchronisation. Configurations are timed
+interleaved, round by round, so a drift in machine speed hits all of them alike and every ratio
+compares steps taken side by side. Peak memory is measured per configuration in isolation: the CUDA
+allocator peak on GPU; on CPU the peak RSS growth of a fresh process that runs only that configuration.
+"""
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+from tqdm import tqdm
+
+import train
+from barter import Schedule
+from vit import ViT, preset
+
+
+@dataclass
+class Args:
+    models: Optional[tuple[str, ...]] = None
+    """model presets (default: cifar-tiny; on CUDA also deit-small at 224 px)"""
+    batch_size: Optional[int] = None
+    """batch size (default: 128 for 32 px presets, 256 for 224 px presets)"""
+    densities: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7)
+    """densities to compare"""
+    methods: tuple[str, ...] = ("dense", "masked", "rigl", "barter")
+    """methods to compare; ratios are against masked at the same density"""
+    steps: int = 2
+    """timed steps per configuration per round"""
+    rounds: int = 5
+    """interleaved rounds; the median and spread are over rounds"""
+    warmup: int = 2
+    """untimed steps per configuration first"""
+    device: str = "auto"
+    """auto, cpu, cuda"""
+    bf16: bool = True
+    """bf16 autocast on CUDA"""
+    compile: bool = False
+    """torch.compile every model"""
+    memory: bool = True
+    """measure peak memory (on CPU: one subprocess per configuration)"""
+    out: str = "bench.json"
+    """JSON output path"""
+
+
+def build(model_name, method, density, batch_size, device, seed=0):
+    """Model, method, optimizer and one fixed batch for one configuration."""
+    torch.manual_seed(seed)
+    cfg = preset(model_name)
+    model = ViT(cfg).to(device)
+    meth = train.make_method(method, model, Schedule(total_steps=10**9, update_every=10**9), density, seed=seed)
+    meth.init_model()
+    opt = train.make_optimizer(model, 1e-4, 0.05)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch_size, cfg.in_chans, cfg.img_size, cfg.img_size, generator=g).to(device)
+    y = torch.randint(0, cfg.num_classes, (batch_size,), generator=g).to(device)
+    return model, meth, opt, x, y
+
+
+class Config:
+    def __init__(self, model_name, method, density, batch_size, device, amp, compile):
+        self.key = dict(model=model_name, method=method, density=density if method != "dense" else 1.0)
+        self.model, self.meth, self.opt, self.x, self.y = build(model_name, method, density, batch_size, device)
+        self.fwd = torch.compile(self.model) if compile else self.model
+        self.device, self.amp, self.t, self.times = device, amp, 0, []
+
+    def run(self, n):
+        for _ in range(n):
+            self.t += 1
+            train.train_step(self.model, self.fwd, self.meth, self.opt, self.x, self.y, self.t, self.amp, 1.0, 0.1)
+
+    def timed(self, n):
+        train.sync(self.device)
+        t0 = time.perf_counter()
+        self.run(n)
+        train.sync(self.device)
+        self.times.append((time.perf_counter() - t0) / n)
+
+
+def status_mb(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024  # kB
+
+
+def peak_memory(model_name, method, density, batch_size, device, bf16, steps=2):
+    """MB of peak memory one configuration allocates (run alone: see the module docstring)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        # a tiny run of the same code first: libraries loaded lazily on the first step are not
+        # this configuration's allocations; then reset the peak RSS (VmHWM, Linux) to the current RSS
+        Config("micro", method, min(density, 0.5), 8, device, train.autocast(device, bf16), False).run(1)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base = status_mb("VmRSS")
+    c = Config(model_name, method, density, batch_size, device, train.autocast(device, bf16), False)
+    c.run(steps)
+    if device.type == "cuda":
+        peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+        del c
+        torch.cuda.empty_cache()
+        return peak
+    return status_mb("VmHWM") - base
+
+
+def update_cost(c, repeats=3):
+    """Seconds of one BARTER topology update at the largest fraction moved (alpha0)."""
+    sched = c.meth.schedule
+    c.meth.schedule = Schedule(total_steps=10**6, update_every=1, end_frac=1.0)
+    times = []
+    for _ in range(repeats):
+        c.run(1)  # fresh statistics, as after a training interval
+        train.sync(c.device)
+        t0 = time.perf_counter()
+        c.meth.update(c.opt, 1)
+        train.sync(c.device)
+        times.append(time.perf_counter() - t0)
+    c.meth.schedule = sched
+    return statistics.median(times)
+
+
+def main(a: Args):
+    if a.steps < 1 or a.rounds < 1 or a.warmup < 0 or not a.densities or not a.methods:
+        raise SystemExit("error: --steps and --rounds must be positive, --densities and --methods non-empty")
+    bad = [m for m in a.methods if m not in train.METHODS] + [str(d) for d in a.densities if not 0 < d <= 1]
+    if bad:
+        raise SystemExit(f"error: unknown method or density out of (0, 1]: {', '.join(bad)}")
+    device = torch.device(a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    models = a.models or (("cifar-tiny", "deit-small") if device.type == "cuda" else ("cifar-tiny",))
+    amp = train.autocast(device, a.bf16)
+    machine = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+               "cpu_threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
+               "bf16": device.type == "cuda" and a.bf16, "compile": a.compile}
+    rows = []
+    for model_name in models:
+        bs = a.batch_size or (128 if preset(model_name).img_size <= 64 else 256)
+        configs = [Config(model_name, m, d, bs, device, amp, a.compile) for d in a.densities for m in a.methods
+                   if not (m == "dense" and d != a.densities[0])]  # dense once: it has no density
+        for c in tqdm(configs, desc=f"{model_name} warm-up", leave=False, disable=None):
+            c.run(a.warmup)
+        for _ in tqdm(range(a.rounds), desc=f"{model_name} rounds", leave=False, disable=None):
+            for c in configs:
+                c.timed(a.steps)
+        for c in configs:
+            r = {**c.key, "batch_size": bs, "step_ms": 1e3 * statistics.median(c.times),
+                 "step_ms_min": 1e3 * min(c.times), "step_ms_max": 1e3 * max(c.times),
+                 "img_per_s": bs / statistics.median(c.times), "flops_per_img": c.model.flops_per_image(),
+                 "density_measured": c.meth.density()}
+            if r["method"] == "barter":
+                r["update_ms"] = 1e3 * update_cost(c)
+                r["update_share"] = r["update_ms"] / (train.Args.update_every * r["step_ms"] + r["update_ms"])
+            rows.append(r)
+        del configs
+        if a.memory:
+            for r in tqdm([r for r in rows if r["model"] == model_name], desc=f"{model_name} memory", leave=False, disable=None):
+                spec = (model_name, r["method"], r["density"], bs, str(device), a.bf16)
+                if device.type == "cuda":
+                    r["peak_mem_mb"] = peak_memory(*spec)
+                else:
+                    with mp.get_context("spawn").Pool(1) as pool:
+                        r["peak_mem_mb"] = pool.apply(peak_memory, spec)
+    for r in rows:  # ratios against full-tensor structured DST at the same density
+        ref = next((q for q in rows if q["model"] == r["model"] and q["method"] == "masked" and q["density"] == r["density"]), None)
+        if ref:
+            r["speedup_vs_masked"] = ref["step_ms"] / r["step_ms"]
+            r["ideal_speedup"] = ref["flops_per_img"] / r["flops_per_img"]
+            if "peak_mem_mb" in r:
+                r["mem_vs_masked"] = r["peak_mem_mb"] / ref["peak_mem_mb"]
+    result = {"command": "python bench.py " + " ".join(sys.argv[1:]), "machine": machine, "args": asdict(a), "rows": rows}
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(table(result))
+    return result
+
+
+def table(result):
+    m = result["machine"]
+    lines = [f"{m['device']}, {m['cpu_threads']} threads, torch {m['torch']}, bf16 {m['bf16']}, compile {m['compile']}; "
+             f"median over {result['args']['rounds']} interleaved rounds (min-max)", "",
+             "| model | method | density | step ms (min-max) | img/s | peak MB | speedup vs masked | ideal (FLOPs) | memory vs masked | update ms (share) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        f = lambda k, fmt, unit="": format(r[k], fmt) + unit if k in r else "-"
+        upd = f"{r['update_ms']:.1f} ({100 * r['update_share']:.2f}%)" if "update_ms" in r else "-"
+        lines.append(f"| {r['model']} | {r['method']} | {r['density']} | {r['step_ms']:.1f} ({r['step_ms_min']:.1f}-{r['step_ms_max']:.1f}) "
+                     f"| {r['img_per_s']:.0f} | {f('peak_mem_mb', '.0f')} | {f('speedup_vs_masked', '.2f', 'x')} | {f('ideal_speedup', '.2f', 'x')} "
+                     f"| {f('mem_vs_masked', '.2f')} | {upd} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import tyro
+
+    main(tyro.cli(Args))
