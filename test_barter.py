@@ -589,3 +589,32 @@ def test_synthetic_data_is_learnable_and_fixed_by_seed():
     means = torch.stack([xtr[ytr == c].float().mean(0) for c in range(10)]).flatten(1)
     pred = torch.cdist(xte.float().flatten(1), means).argmin(1)
     assert (pred == yte).float().mean() > 0.5
+
+
+# ---- issue 5: bench.py -------------------------------------------------------------------------
+
+def test_bench_smoke_writes_every_field(tmp_path):
+    import bench
+
+    out = tmp_path / "bench.json"
+    res = bench.main(bench.Args(models=("micro",), densities=(0.3,), steps=1, rounds=2, warmup=1,
+                                device="cpu", out=str(out)))
+    saved = json.loads(out.read_text())
+    assert saved["rows"] == json.loads(json.dumps(res["rows"]))
+    assert {r["method"] for r in saved["rows"]} == {"dense", "masked", "rigl", "barter"}
+    common = {"model", "method", "density", "batch_size", "step_ms", "step_ms_min", "step_ms_max",
+              "img_per_s", "flops_per_img", "density_measured", "peak_mem_mb"}
+    for r in saved["rows"]:
+        assert common <= set(r), common - set(r)
+        assert r["step_ms_min"] <= r["step_ms"] <= r["step_ms_max"] and r["peak_mem_mb"] > 0
+        if r["method"] != "dense":
+            assert {"speedup_vs_masked", "ideal_speedup", "mem_vs_masked"} <= set(r)
+    barter = next(r for r in saved["rows"] if r["method"] == "barter")
+    assert 0 < barter["update_share"] < 1 and barter["update_ms"] > 0
+    # the ideal speedup is computed from the actual unit counts (4 heads, 58 channels at d = 0.3)
+    c = PRESETS["micro"]
+    n = (32 // 8) ** 2 + 1
+    def flops(heads, mlp):
+        return (n * c.dim * 3 * 64 + c.dim * 10 + heads * (n * c.dim * 4 * HD + 2 * n * n * HD) + mlp * 2 * n * c.dim)
+    assert barter["ideal_speedup"] == pytest.approx(flops(12, 192) / flops(4, 58))
+    assert "| micro | barter | 0.3 |" in bench.table(saved)
