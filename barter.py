@@ -287,7 +287,9 @@ class Barter:
         return {"acc": self.acc, "nacc": self.nacc, "fresh": self.fresh, "gen": self.gen.get_state()}
 
     def load_state_dict(self, sd):
-        self.acc, self.nacc, self.fresh = sd["acc"], sd["nacc"], sd["fresh"]
+        dev = self.model.head.weight.device  # a checkpoint is loaded to the CPU
+        self.acc = {k: [None if a is None else a.to(dev) for a in v] for k, v in sd["acc"].items()}
+        self.nacc, self.fresh = sd["nacc"], sd["fresh"]
         self.gen.set_state(sd["gen"])
         self.check()
 

@@ -142,7 +142,8 @@ class Masked(MaskedMethod):
         return [int(a.sum()) for a in self.active[kind]]
 
     def reset_stats(self):
-        self.acc = {k: [torch.zeros(a.numel()) for a in self.active[k]] for k in KINDS}
+        dev = self.model.head.weight.device  # accumulated on the device: no sync per step
+        self.acc = {k: [torch.zeros(a.numel(), device=dev) for a in self.active[k]] for k in KINDS}
         self.nacc = 0
 
     def masks_of(self, i, kind, side):
@@ -172,7 +173,7 @@ class Masked(MaskedMethod):
     def after_backward(self, optimizer, t):
         for kind in KINDS:
             for i, s in enumerate(taylor_scores(self.model, kind)):  # masked units score exactly 0
-                self.acc[kind][i] += s.abs().cpu()
+                self.acc[kind][i] += s.abs()
         self.nacc += 1
 
     @torch.no_grad()
@@ -187,13 +188,15 @@ class Masked(MaskedMethod):
                 n, w, _ = blk.units(kind)
                 (mod, attr, dim, seg), = self.masks_of(i, kind, "out")
                 g = mod.parametrizations[attr][0].grad  # dense gradient of the output side
-                gs = g.abs().float().sum(1 - dim).view(n, w).sum(1).cpu()
+                gs = g.abs().float().sum(1 - dim).view(n, w).sum(1).tolist()
+                acc = (self.acc[kind][i] / max(self.nacc, 1)).tolist()
+                active, fresh = self.active[kind][i].tolist(), self.fresh[kind][i].tolist()
                 for u in range(n):
-                    if self.active[kind][i][u]:
-                        if not self.fresh[kind][i][u]:
-                            prune.append((float(self.acc[kind][i][u]) / self.nacc, i, u))
+                    if active[u]:
+                        if not fresh[u]:
+                            prune.append((acc[u], i, u))
                     else:
-                        grow.append((float(gs[u]), i, u))
+                        grow.append((gs[u], i, u))
             P, G = select(self.counts(kind), self.lo[kind], self.hi[kind], prune, grow, k)
             self.fresh[kind] = [torch.zeros_like(a) for a in self.active[kind]]
             for i, u in P:
@@ -224,7 +227,9 @@ class Masked(MaskedMethod):
 
     def load_state_dict(self, sd):
         self.load_base_state(sd)
-        self.active, self.fresh, self.acc, self.nacc = sd["active"], sd["fresh"], sd["acc"], sd["nacc"]
+        self.active, self.fresh, self.nacc = sd["active"], sd["fresh"], sd["nacc"]
+        dev = self.model.head.weight.device
+        self.acc = {k: [a.to(dev) for a in v] for k, v in sd["acc"].items()}
 
 
 # ----------------------------------------------------------------------------------------------

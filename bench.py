@@ -9,7 +9,6 @@ allocator peak on GPU; on CPU the peak RSS growth of a fresh process that runs o
 """
 import json
 import multiprocessing as mp
-import os
 import platform
 import statistics
 import sys
@@ -35,8 +34,8 @@ class Args:
     """densities to compare"""
     methods: tuple[str, ...] = ("dense", "masked", "rigl", "barter")
     """methods to compare; ratios are against masked at the same density"""
-    steps: int = 2
-    """timed steps per configuration per round"""
+    steps: Optional[int] = None
+    """timed steps per configuration per round (default: 2 on CPU, 10 on CUDA)"""
     rounds: int = 5
     """interleaved rounds; the median and spread are over rounds"""
     warmup: int = 2
@@ -133,12 +132,13 @@ def update_cost(c, repeats=3):
 
 
 def main(a: Args):
-    if a.steps < 1 or a.rounds < 1 or a.warmup < 0 or not a.densities or not a.methods:
+    if (a.steps is not None and a.steps < 1) or a.rounds < 1 or a.warmup < 0 or not a.densities or not a.methods:
         raise SystemExit("error: --steps and --rounds must be positive, --densities and --methods non-empty")
     bad = [m for m in a.methods if m not in train.METHODS] + [str(d) for d in a.densities if not 0 < d <= 1]
     if bad:
         raise SystemExit(f"error: unknown method or density out of (0, 1]: {', '.join(bad)}")
     device = torch.device(a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    steps = a.steps or (10 if device.type == "cuda" else 2)
     models = a.models or (("cifar-tiny", "deit-small") if device.type == "cuda" else ("cifar-tiny",))
     amp = train.autocast(device, a.bf16)
     machine = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
@@ -153,7 +153,7 @@ def main(a: Args):
             c.run(a.warmup)
         for _ in tqdm(range(a.rounds), desc=f"{model_name} rounds", leave=False, disable=None):
             for c in configs:
-                c.timed(a.steps)
+                c.timed(steps)
         for c in configs:
             r = {**c.key, "batch_size": bs, "step_ms": 1e3 * statistics.median(c.times),
                  "step_ms_min": 1e3 * min(c.times), "step_ms_max": 1e3 * max(c.times),
@@ -163,7 +163,7 @@ def main(a: Args):
                 r["update_ms"] = 1e3 * update_cost(c)
                 r["update_share"] = r["update_ms"] / (train.Args.update_every * r["step_ms"] + r["update_ms"])
             rows.append(r)
-        del configs
+        del configs, c  # free them before the memory of each configuration is measured alone
         if a.memory:
             for r in tqdm([r for r in rows if r["model"] == model_name], desc=f"{model_name} memory", leave=False, disable=None):
                 spec = (model_name, r["method"], r["density"], bs, str(device), a.bf16)
@@ -179,7 +179,8 @@ def main(a: Args):
             r["ideal_speedup"] = ref["flops_per_img"] / r["flops_per_img"]
             if "peak_mem_mb" in r:
                 r["mem_vs_masked"] = r["peak_mem_mb"] / ref["peak_mem_mb"]
-    result = {"command": "python bench.py " + " ".join(sys.argv[1:]), "machine": machine, "args": asdict(a), "rows": rows}
+    result = {"command": "python bench.py " + " ".join(sys.argv[1:]), "machine": machine, "args": asdict(a),
+              "steps_per_round": steps, "rows": rows}
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     print(table(result))
@@ -189,7 +190,7 @@ def main(a: Args):
 def table(result):
     m = result["machine"]
     lines = [f"{m['device']}, {m['cpu_threads']} threads, torch {m['torch']}, bf16 {m['bf16']}, compile {m['compile']}; "
-             f"median over {result['args']['rounds']} interleaved rounds (min-max)", "",
+             f"median over {result['args']['rounds']} interleaved rounds of {result['steps_per_round']} steps (min-max)", "",
              "| model | method | density | step ms (min-max) | img/s | peak MB | speedup vs masked | ideal (FLOPs) | memory vs masked | update ms (share) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import data
 import train
 from barter import Barter, Schedule, resize, taylor_scores, unit_budgets
-from baselines import BiDST, Dense, Masked, Unstructured, erk_densities
+from baselines import BiDST, Masked, Unstructured, erk_densities
 from vit import PRESETS, ViT, from_torchvision, leaf
 
 CFG = PRESETS["micro"]  # 3 blocks, dim 32, 4 heads of 8, 64 MLP channels
@@ -618,3 +618,32 @@ def test_bench_smoke_writes_every_field(tmp_path):
         return (n * c.dim * 3 * 64 + c.dim * 10 + heads * (n * c.dim * 4 * HD + 2 * n * n * HD) + mlp * 2 * n * c.dim)
     assert barter["ideal_speedup"] == pytest.approx(flops(12, 192) / flops(4, 58))
     assert "| micro | barter | 0.3 |" in bench.table(saved)
+
+
+def test_converts_vit_b_16_layout():
+    from torchvision.models import vit_b_16
+
+    torch.manual_seed(0)
+    tv = vit_b_16(weights=None).eval()  # the real architecture, random weights: no download
+    with torch.no_grad():  # torchvision initialises the head at zero: logits would all be 0
+        tv.heads.head.weight.normal_(0, 0.05)
+        tv.heads.head.bias.normal_(0, 0.05)
+    ours = from_torchvision(tv).eval()
+    assert ours.cfg.dim == 768 and ours.cfg.depth == 12 and ours.cfg.num_heads == 12 and ours.cfg.mlp_hidden == 3072
+    x = torch.randn(1, 3, 224, 224)
+    with torch.no_grad():
+        ref = tv(x)
+        assert ref.std() > 0.1
+        torch.testing.assert_close(ours(x), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_failed_download_names_the_folder_and_the_offline_option(tmp_path, monkeypatch):
+    import torchvision.datasets as tvd
+
+    def offline(*a, **kw):
+        raise OSError("network unreachable")
+
+    monkeypatch.setattr(tvd, "CIFAR10", offline)
+    with pytest.raises(data.DataError, match="--data synthetic") as e:
+        data.load("cifar10", str(tmp_path / "cifar"), 32, "cpu")
+    assert str(tmp_path / "cifar") in str(e.value)
