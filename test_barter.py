@@ -509,6 +509,7 @@ def test_resume_is_exact(tmp_path, method):
     (dict(epochs=0), "epochs"), (dict(batch_size=-4), "batch-size"), (dict(update_every=0), "update-every"),
     (dict(max_steps=0), "max-steps"), (dict(model="deit-huge"), "model"), (dict(dense_frac=0.01), "no heads"),
     (dict(data="folder", data_dir="/nonexistent/imagenet"), "not a folder"),
+    (dict(data="folder", data_dir="."), "needs train/ and val/"),
     (dict(data="cifar10", data_dir="/nonexistent/deep/data"), "not there"),
     (dict(lr=0.0), "--lr"), (dict(device="cuda:7"), "not available"), (dict(end_frac=0.0), "end-frac"),
 ])
@@ -530,6 +531,8 @@ def test_bad_resume_files(tmp_path):
             train.main(targs(tmp_path, resume=str(path)))
     a = targs(tmp_path, max_steps=3)
     train.main(a)
+    with pytest.raises(train.ArgError, match="holds a checkpoint already"):
+        train.main(a)  # a fresh run never overwrites a checkpoint
     with pytest.raises(train.ArgError, match="--dense-frac 0.3"):
         train.main(replace(a, dense_frac=0.5, resume=os.path.join(a.out_dir, "checkpoint.pt")))
 

@@ -24,6 +24,7 @@ from baselines import BiDST, Dense, Masked, Unstructured
 from vit import PRESETS, ViT, preset
 
 CKPT_FORMAT = "barter-reference-checkpoint-v1"
+METHODS = ("barter", "masked", "rigl", "set", "bidst", "dense")
 
 
 @dataclass
@@ -109,10 +110,15 @@ def validate(args):
     need(args.data in data.DATASETS, f"unknown --data {args.data!r}; choose from {', '.join(data.DATASETS)}")
     if args.data == "folder":
         need(os.path.isdir(args.data_dir), f"--data-dir {args.data_dir!r} is not a folder")
+        need(all(os.path.isdir(os.path.join(args.data_dir, s)) for s in ("train", "val")),
+             f"--data-dir {args.data_dir!r} needs train/ and val/ folders, one subfolder per class")
     elif args.data != "synthetic":
         parent = os.path.dirname(os.path.abspath(args.data_dir))
         need(os.path.isdir(args.data_dir) or os.path.isdir(parent),
              f"--data-dir {args.data_dir!r} is not there, nor is the folder to create it in")
+    if not args.resume and os.path.exists(os.path.join(run_dir(args), "checkpoint.pt")):
+        raise ArgError(f"{run_dir(args)} holds a checkpoint already: continue it with --resume "
+                       f"{os.path.join(run_dir(args), 'checkpoint.pt')}, or pick another --out-dir")
     if args.method in ("barter", "masked"):
         try:
             unit_budgets(PRESETS[args.model], args.dense_frac, args.head_frac, args.mlp_frac)
@@ -123,8 +129,13 @@ def validate(args):
             dev = torch.device(args.device)
         except RuntimeError:
             raise ArgError(f"--device {args.device!r} is not a device") from None
-        need(dev.type == "cpu" or (dev.type == "cuda" and torch.cuda.is_available()),
+        need(dev.type == "cpu" or (dev.type == "cuda" and torch.cuda.is_available()
+                                   and (dev.index or 0) < torch.cuda.device_count()),
              f"--device {args.device} is not available here")
+
+
+def run_dir(args):
+    return args.out_dir or f"runs/{args.method}-d{args.dense_frac}-{args.model}-{args.data}-s{args.seed}"
 
 
 def load_resume(args):
@@ -142,9 +153,6 @@ def load_resume(args):
         raise ArgError("--resume checkpoint was made with other arguments: " +
                        ", ".join(f"--{k.replace('_', '-')} {ckpt['args'][k]!r} (now {getattr(args, k)!r})" for k in differ))
     return ckpt
-
-
-METHODS = ("barter", "masked", "rigl", "set", "bidst", "dense")
 
 
 def make_method(name, model, schedule, dense_frac, head_frac=None, mlp_frac=None, distribution="erk", seed=0):
@@ -233,7 +241,7 @@ def main(args: Args):
     validate(args)
     ckpt = load_resume(args) if args.resume else None
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    out = args.out_dir or f"runs/{args.method}-d{args.dense_frac}-{args.model}-{args.data}-s{args.seed}"
+    out = run_dir(args)
     os.makedirs(out, exist_ok=True)
     torch.manual_seed(args.seed)
     train_dl, test_dl, info = data.load(args.data, args.data_dir, args.batch_size, device,
@@ -273,7 +281,7 @@ def main(args: Args):
     stop = []  # Ctrl-C / SIGTERM finish the current step, save, and exit cleanly
     handler = lambda sig, frame: stop.append(sig)
     old_handlers = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    log = open(os.path.join(out, "log.jsonl"), "a")
+    log = open(os.path.join(out, "log.jsonl"), "a" if ckpt else "w")
     counts = {}
     print(f"{args.method} d={args.dense_frac} {args.model} on {args.data} ({device}): "
           f"{sum(p.numel() for p in model.parameters()):,} parameters, density {method.density():.4f}, "
