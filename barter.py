@@ -68,7 +68,7 @@ def resize(model, optimizer, heads, mlp, eps=0.0, generator=None):
             if idx.ndim != 1 or (idx.numel() and (idx.min() < 0 or idx.max() >= n)):
                 raise ValueError(f"{kind} indices must be a 1-D tensor with values in [0, {n})")
             m = torch.bincount(idx, minlength=n)[idx].double()  # copies of each new unit's source
-            rank = torch.tril(idx[:, None] == idx[None, :], -1).sum(1).double()  # 0 = the parent
+            rank = (idx[:, None] == idx[None, :]).double().tril(-1).sum(1)  # 0 = the parent
             sign = (m - 1) - 2 * rank  # e.g. +1/-1 for a pair, +2/0/-2 for three: sums to zero
             fresh[kind].append(m > 1)
             for mod, attr, dim, side, seg in tensors:
