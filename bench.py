@@ -27,15 +27,15 @@ from vit import ViT, preset
 @dataclass
 class Args:
     models: Optional[tuple[str, ...]] = None
-    """model presets (default: cifar-tiny; on CUDA also deit-small at 224 px)"""
+    """model presets (None: cifar-tiny; on CUDA also deit-small at 224 px)"""
     batch_size: Optional[int] = None
-    """batch size (default: 128 for 32 px presets, 256 for 224 px presets)"""
+    """batch size (None: 128 for 32 px presets, 256 for 224 px presets)"""
     densities: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7)
     """densities to compare"""
     methods: tuple[str, ...] = ("dense", "masked", "rigl", "barter")
     """methods to compare; ratios are against masked at the same density"""
     steps: Optional[int] = None
-    """timed steps per configuration per round (default: 2 on CPU, 10 on CUDA)"""
+    """timed steps per configuration per round (None: 2 on CPU, 10 on CUDA)"""
     rounds: int = 5
     """interleaved rounds; the median and spread are over rounds"""
     warmup: int = 2

@@ -34,9 +34,9 @@ class Args:
     dense_frac: float = 0.1
     """density d in (0, 1]: fraction of heads, MLP channels (and weights for rigl/set/bidst) kept"""
     head_frac: Optional[float] = None
-    """separate head density for barter/masked (default: --dense-frac)"""
+    """separate head density for barter/masked (None: --dense-frac)"""
     mlp_frac: Optional[float] = None
-    """separate MLP-channel density for barter/masked (default: --dense-frac)"""
+    """separate MLP-channel density for barter/masked (None: --dense-frac)"""
     model: str = "cifar-tiny"
     """model preset: micro, cifar-tiny, deit-tiny, deit-small, deit-base"""
     data: Literal["cifar10", "cifar100", "mnist", "fashion-mnist", "synthetic", "folder"] = "cifar10"
@@ -78,7 +78,7 @@ class Args:
     workers: int = 8
     """DataLoader workers, for --data folder only"""
     out_dir: Optional[str] = None
-    """log and checkpoints (default: runs/METHOD-dDENSE-MODEL-DATA-sSEED)"""
+    """log and checkpoints (None: runs/METHOD-dDENSITY-MODEL-DATA-sSEED)"""
     resume: Optional[str] = None
     """checkpoint to continue from (must match this run's arguments)"""
 
