@@ -109,7 +109,7 @@ class TensorLoader:
 class FolderLoader:
     """An ImageNet-layout folder (train/ and val/, one subfolder per class) through a DataLoader."""
 
-    def __init__(self, root, img_size, batch_size, train, seed=0, workers=8):
+    def __init__(self, root, img_size, batch_size, train, seed=0, workers=8, device="cpu"):
         import torchvision.datasets as tvd
         import torchvision.transforms as T
 
@@ -118,6 +118,7 @@ class FolderLoader:
               if train else T.Compose([T.Resize(int(img_size * 8 / 7)), T.CenterCrop(img_size), T.ToTensor(), T.Normalize(mean, std)]))
         self.ds = tvd.ImageFolder(os.path.join(root, "train" if train else "val"), transform=tf)
         self.batch_size, self.train, self.seed, self.workers = batch_size, train, seed, workers
+        self.device = torch.device(device)
 
     def __len__(self):
         n = len(self.ds)
@@ -126,11 +127,11 @@ class FolderLoader:
     def epoch(self, epoch, start=0):
         g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
         dl = torch.utils.data.DataLoader(self.ds, self.batch_size, shuffle=self.train, drop_last=self.train,
-                                         generator=g, num_workers=self.workers, pin_memory=True,
-                                         persistent_workers=False)
-        for b, batch in enumerate(dl):
+                                         generator=g, num_workers=self.workers,
+                                         pin_memory=self.device.type == "cuda")
+        for b, (x, y) in enumerate(dl):
             if b >= start:  # worker-side augmentation is not replayed exactly after a resume
-                yield batch
+                yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
 
 def load(name, data_dir, batch_size, device, img_size=224, seed=0, workers=8):
@@ -141,8 +142,8 @@ def load(name, data_dir, batch_size, device, img_size=224, seed=0, workers=8):
         for split in ("train", "val"):
             if not os.path.isdir(os.path.join(data_dir, split)):
                 raise FileNotFoundError(f"--data folder needs {os.path.join(data_dir, split)!r} (one subfolder per class)")
-        tr = FolderLoader(data_dir, img_size, batch_size, True, seed, workers)
-        te = FolderLoader(data_dir, img_size, batch_size, False, seed, workers)
+        tr = FolderLoader(data_dir, img_size, batch_size, True, seed, workers, device)
+        te = FolderLoader(data_dir, img_size, batch_size, False, seed, workers, device)
         return tr, te, DataInfo(3, img_size, len(tr.ds.classes))
     if name == "synthetic":
         (xtr, ytr), (xte, yte) = synthetic_set()

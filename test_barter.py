@@ -650,3 +650,23 @@ def test_failed_download_names_the_folder_and_the_offline_option(tmp_path, monke
     with pytest.raises(data.DataError, match="--data synthetic") as e:
         data.load("cifar10", str(tmp_path / "cifar"), 32, "cpu")
     assert str(tmp_path / "cifar") in str(e.value)
+
+
+def test_image_folder_trains_through_main(tmp_path):
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(0)
+    for split, n in (("train", 12), ("val", 4)):
+        for c in ("cat", "dog", "eel"):
+            os.makedirs(tmp_path / "imgs" / split / c)
+            for k in range(n):
+                px = (torch.rand(40, 48, 3, generator=g) * 255).to(torch.uint8).numpy()
+                Image.fromarray(px).save(tmp_path / "imgs" / split / c / f"{k}.png")
+    tr, te, info = data.load("folder", str(tmp_path / "imgs"), 8, "cpu", img_size=32, workers=0)
+    assert (info.in_chans, info.img_size, info.num_classes) == (3, 32, 3) and len(tr) == 4 and len(te) == 2
+    x, y = next(tr.epoch(0))
+    assert x.shape == (8, 3, 32, 32) and y.shape == (8,)
+    a = targs(tmp_path, data="folder", data_dir=str(tmp_path / "imgs"), batch_size=8, workers=1, epochs=1)
+    model, _, _ = train.main(a)
+    assert model.head.out_features == 3
+    assert [r["type"] for r in read_log(a.out_dir)] == ["epoch"]
