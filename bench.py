@@ -137,7 +137,7 @@ def main(a: Args):
     bad = [m for m in a.methods if m not in train.METHODS] + [str(d) for d in a.densities if not 0 < d <= 1]
     if bad:
         raise SystemExit(f"error: unknown method or density out of (0, 1]: {', '.join(bad)}")
-    device = torch.device(a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = train.pick_device(a.device)
     steps = a.steps or (10 if device.type == "cuda" else 2)
     models = a.models or (("cifar-tiny", "deit-small") if device.type == "cuda" else ("cifar-tiny",))
     amp = train.autocast(device, a.bf16)

@@ -134,14 +134,23 @@ class FolderLoader:
                 yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
 
+def folder_problem(root):
+    """Why `root` is not an ImageNet-layout folder (train/ and val/, a subfolder per class), or None."""
+    if not os.path.isdir(root):
+        return f"{root!r} is not a folder"
+    if not all(os.path.isdir(os.path.join(root, split)) for split in ("train", "val")):
+        return f"{root!r} needs train/ and val/ folders, one subfolder per class"
+    return None
+
+
 def load(name, data_dir, batch_size, device, img_size=224, seed=0, workers=8):
     """(train loader, test loader, DataInfo). `img_size` is used only for an image folder."""
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
     if name == "folder":
-        for split in ("train", "val"):
-            if not os.path.isdir(os.path.join(data_dir, split)):
-                raise FileNotFoundError(f"--data folder needs {os.path.join(data_dir, split)!r} (one subfolder per class)")
+        problem = folder_problem(data_dir)
+        if problem:
+            raise FileNotFoundError(f"--data folder: {problem}")
         tr = FolderLoader(data_dir, img_size, batch_size, True, seed, workers, device)
         te = FolderLoader(data_dir, img_size, batch_size, False, seed, workers, device)
         return tr, te, DataInfo(3, img_size, len(tr.ds.classes))

@@ -109,16 +109,15 @@ def validate(args):
     need(args.method in METHODS, f"unknown --method {args.method!r}; choose from {', '.join(METHODS)}")
     need(args.data in data.DATASETS, f"unknown --data {args.data!r}; choose from {', '.join(data.DATASETS)}")
     if args.data == "folder":
-        need(os.path.isdir(args.data_dir), f"--data-dir {args.data_dir!r} is not a folder")
-        need(all(os.path.isdir(os.path.join(args.data_dir, s)) for s in ("train", "val")),
-             f"--data-dir {args.data_dir!r} needs train/ and val/ folders, one subfolder per class")
+        problem = data.folder_problem(args.data_dir)
+        need(problem is None, f"--data-dir {problem}")
     elif args.data != "synthetic":
         parent = os.path.dirname(os.path.abspath(args.data_dir))
         need(os.path.isdir(args.data_dir) or os.path.isdir(parent),
              f"--data-dir {args.data_dir!r} is not there, nor is the folder to create it in")
-    if not args.resume and os.path.exists(os.path.join(run_dir(args), "checkpoint.pt")):
-        raise ArgError(f"{run_dir(args)} holds a checkpoint already: continue it with --resume "
-                       f"{os.path.join(run_dir(args), 'checkpoint.pt')}, or pick another --out-dir")
+    existing = os.path.join(run_dir(args), "checkpoint.pt")
+    need(args.resume or not os.path.exists(existing), f"{run_dir(args)} holds a checkpoint already: "
+         f"continue it with --resume {existing}, or pick another --out-dir")
     if args.method in ("barter", "masked"):
         try:
             unit_budgets(PRESETS[args.model], args.dense_frac, args.head_frac, args.mlp_frac)
@@ -132,6 +131,11 @@ def validate(args):
         need(dev.type == "cpu" or (dev.type == "cuda" and torch.cuda.is_available()
                                    and (dev.index or 0) < torch.cuda.device_count()),
              f"--device {args.device} is not available here")
+
+
+def pick_device(name):
+    """'auto' is cuda when there is one, else cpu."""
+    return torch.device(name if name != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def run_dir(args):
@@ -240,7 +244,7 @@ def save_checkpoint(path, **state):
 def main(args: Args):
     validate(args)
     ckpt = load_resume(args) if args.resume else None
-    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = pick_device(args.device)
     out = run_dir(args)
     os.makedirs(out, exist_ok=True)
     torch.manual_seed(args.seed)

@@ -188,7 +188,7 @@ class ViT(nn.Module):
         return total
 
 
-def from_torchvision(tv_model, num_classes=None):
+def from_torchvision(tv_model):
     """Our ViT holding the weights of a torchvision VisionTransformer (same logits, eval mode)."""
     sd = tv_model.state_dict()
     D = tv_model.hidden_dim
