@@ -10,13 +10,16 @@ allocator peak on GPU; on CPU the peak RSS growth of a fresh process that runs o
 import json
 import multiprocessing as mp
 import platform
+import re
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 import train
@@ -42,8 +45,8 @@ class Args:
     """untimed steps per configuration first"""
     device: str = "auto"
     """auto, cpu, cuda"""
-    bf16: bool = True
-    """bf16 autocast on CUDA"""
+    bf16: Optional[bool] = None
+    """bf16 autocast (None: on CUDA, where supported; on CPU it needs a CPU with bf16 instructions to be fast)"""
     compile: bool = False
     """torch.compile every model"""
     memory: bool = True
@@ -67,11 +70,12 @@ def build(model_name, method, density, batch_size, device, seed=0):
 
 
 class Config:
-    def __init__(self, model_name, method, density, batch_size, device, amp, compile):
+    def __init__(self, model_name, method, density, batch_size, device, bf16, compile):
         self.key = dict(model=model_name, method=method, density=density if method != "dense" else 1.0)
         self.model, self.meth, self.opt, self.x, self.y = build(model_name, method, density, batch_size, device)
         self.fwd = torch.compile(self.model) if compile else self.model
-        self.device, self.amp, self.t, self.times = device, amp, 0, []
+        self.amp = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else train.nullcontext()
+        self.device, self.t, self.times = device, 0, []
 
     def run(self, n):
         for _ in range(n):
@@ -101,11 +105,11 @@ def peak_memory(model_name, method, density, batch_size, device, bf16, steps=2):
     else:
         # a tiny run of the same code first: libraries loaded lazily on the first step are not
         # this configuration's allocations; then reset the peak RSS (VmHWM, Linux) to the current RSS
-        Config("micro", method, min(density, 0.5), 8, device, train.autocast(device, bf16), False).run(1)
+        Config("micro", method, min(density, 0.5), 8, device, bf16, False).run(1)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         base = status_mb("VmRSS")
-    c = Config(model_name, method, density, batch_size, device, train.autocast(device, bf16), False)
+    c = Config(model_name, method, density, batch_size, device, bf16, False)
     c.run(steps)
     if device.type == "cuda":
         peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
@@ -113,6 +117,42 @@ def peak_memory(model_name, method, density, batch_size, device, bf16, steps=2):
         torch.cuda.empty_cache()
         return peak
     return status_mb("VmHWM") - base
+
+
+def saved_bytes(c, batch):
+    """Bytes autograd keeps for backward after one eager forward on `batch` images, by the op that
+    saved them. Parameters are not counted (they stay whatever the batch); a storage shared by
+    several ops (a view, a tensor two ops both keep) is counted once, for the first op found."""
+    params = {p.untyped_storage().data_ptr() for p in c.model.parameters()}
+    with c.amp:
+        loss = F.cross_entropy(c.model(c.x[:batch]), c.y[:batch])
+    seen, by_op, todo, done = set(params), Counter(), [loss.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in done:
+            continue
+        done.add(node)
+        for name in dir(node):
+            if not (name.startswith("_saved_") or name == "saved_tensors"):  # built-in ops; autograd.Function
+                continue
+            try:
+                v = getattr(node, name)
+            except RuntimeError:  # an optional tensor that was not saved
+                continue
+            for t in v if isinstance(v, (tuple, list)) else [v]:
+                if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in seen:
+                    seen.add(t.untyped_storage().data_ptr())
+                    by_op[re.sub(r"Backward\d*$", "", type(node).__name__)] += t.untyped_storage().nbytes()
+        todo += [f for f, _ in node.next_functions]
+    return by_op
+
+
+def activation_mb(c):
+    """MB per image of what autograd keeps for backward, by op: the part of the memory that grows with
+    the batch. The difference between a forward on the whole batch and on one image, per image."""
+    big, one, n = saved_bytes(c, len(c.x)), saved_bytes(c, 1), len(c.x) - 1
+    by_op = {k: (big[k] - one[k]) / n / 2**20 for k in big}
+    return {k: v for k, v in sorted(by_op.items(), key=lambda kv: -kv[1]) if v > 0}
 
 
 def update_cost(c, repeats=3):
@@ -140,14 +180,14 @@ def main(a: Args):
     device = train.pick_device(a.device)
     steps = a.steps or (10 if device.type == "cuda" else 2)
     models = a.models or (("cifar-tiny", "deit-small") if device.type == "cuda" else ("cifar-tiny",))
-    amp = train.autocast(device, a.bf16)
+    bf16 = a.bf16 if a.bf16 is not None else device.type == "cuda" and torch.cuda.is_bf16_supported()
     machine = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
                "cpu_threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
-               "bf16": device.type == "cuda" and a.bf16, "compile": a.compile}
+               "bf16": bf16, "compile": a.compile}
     rows = []
     for model_name in models:
         bs = a.batch_size or (128 if preset(model_name).img_size <= 64 else 256)
-        configs = [Config(model_name, m, d, bs, device, amp, a.compile) for d in a.densities for m in a.methods
+        configs = [Config(model_name, m, d, bs, device, bf16, a.compile) for d in a.densities for m in a.methods
                    if not (m == "dense" and d != a.densities[0])]  # dense once: it has no density
         for c in tqdm(configs, desc=f"{model_name} warm-up", leave=False, disable=None):
             c.run(a.warmup)
@@ -158,7 +198,8 @@ def main(a: Args):
             r = {**c.key, "batch_size": bs, "step_ms": 1e3 * statistics.median(c.times),
                  "step_ms_min": 1e3 * min(c.times), "step_ms_max": 1e3 * max(c.times),
                  "img_per_s": bs / statistics.median(c.times), "flops_per_img": c.model.flops_per_image(),
-                 "density_measured": c.meth.density()}
+                 "density_measured": c.meth.density(), "act_by_op": activation_mb(c)}
+            r["act_mb_per_img"] = sum(r["act_by_op"].values())
             if r["method"] == "barter":
                 r["update_ms"] = 1e3 * update_cost(c)
                 r["update_share"] = r["update_ms"] / (train.Args.update_every * r["step_ms"] + r["update_ms"])
@@ -166,7 +207,7 @@ def main(a: Args):
         del configs, c  # free them before the memory of each configuration is measured alone
         if a.memory:
             for r in tqdm([r for r in rows if r["model"] == model_name], desc=f"{model_name} memory", leave=False, disable=None):
-                spec = (model_name, r["method"], r["density"], bs, str(device), a.bf16)
+                spec = (model_name, r["method"], r["density"], bs, str(device), bf16)
                 if device.type == "cuda":
                     r["peak_mem_mb"] = peak_memory(*spec)
                 else:
@@ -191,14 +232,23 @@ def table(result):
     m = result["machine"]
     lines = [f"{m['device']}, {m['cpu_threads']} threads, torch {m['torch']}, bf16 {m['bf16']}, compile {m['compile']}; "
              f"median over {result['args']['rounds']} interleaved rounds of {result['steps_per_round']} steps (min-max)", "",
-             "| model | method | density | step ms (min-max) | img/s | peak MB | speedup vs masked | ideal (FLOPs) | memory vs masked | update ms (share) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | method | density | step ms (min-max) | img/s | peak MB | act MB/img | speedup vs masked | ideal (FLOPs) | memory vs masked | update ms (share) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         f = lambda k, fmt, unit="": format(r[k], fmt) + unit if k in r else "-"
         upd = f"{r['update_ms']:.1f} ({100 * r['update_share']:.2f}%)" if "update_ms" in r else "-"
         lines.append(f"| {r['model']} | {r['method']} | {r['density']} | {r['step_ms']:.1f} ({r['step_ms_min']:.1f}-{r['step_ms_max']:.1f}) "
-                     f"| {r['img_per_s']:.0f} | {f('peak_mem_mb', '.0f')} | {f('speedup_vs_masked', '.2f', 'x')} | {f('ideal_speedup', '.2f', 'x')} "
+                     f"| {r['img_per_s']:.0f} | {f('peak_mem_mb', '.0f')} | {r['act_mb_per_img']:.2f} | {f('speedup_vs_masked', '.2f', 'x')} | {f('ideal_speedup', '.2f', 'x')} "
                      f"| {f('mem_vs_masked', '.2f')} | {upd} |")
+    # what the activation memory consists of, at the lowest density: which op keeps what for backward
+    for model in dict.fromkeys(r["model"] for r in result["rows"]):
+        low = min(r["density"] for r in result["rows"] if r["model"] == model)
+        cols = [r for r in result["rows"] if r["model"] == model and r["density"] == low]
+        ops = sorted({op for r in cols for op in r["act_by_op"]}, key=lambda op: -max(r["act_by_op"].get(op, 0) for r in cols))
+        lines += ["", f"{model}, density {low}: MB per image that autograd keeps for backward, by op", "",
+                  "| op | " + " | ".join(r["method"] for r in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        lines += [f"| {op} | " + " | ".join(f"{r['act_by_op'].get(op, 0):.2f}" for r in cols) + " |" for op in ops
+                  if max(r["act_by_op"].get(op, 0) for r in cols) >= 0.005]  # what rounds to 0.00 everywhere is left out
     return "\n".join(lines)
 
 

@@ -24,15 +24,20 @@ from vit import PRESETS, ViT, from_torchvision, leaf
 
 CFG = PRESETS["micro"]  # 3 blocks, dim 32, 4 heads of 8, 64 MLP channels
 HD = CFG.head_dim
+# the tests marked with DEVICES also run on a GPU where there is one (`pytest -k cuda` picks those);
+# there in fp32, whose kernels differ from the CPU's fp64 reference in rounding only
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def micro(seed=0, dtype=torch.float64, **kw):
     torch.manual_seed(seed)
     m = ViT(replace(CFG, **kw)).to(dtype)
-    with torch.no_grad():  # nonzero biases, so that a bias leak would show
+    with torch.no_grad():  # nonzero biases, so that a bias leak would show; norm gains not all 1
         for n, p in m.named_parameters():
             if n.endswith("bias"):
                 p.normal_(0, 0.1)
+            elif "norm" in n:
+                p.normal_(1, 0.2)
     return m
 
 
@@ -92,9 +97,45 @@ def mask_by_hand(m, heads, mlp):
 
 
 def test_model_matches_hand_written_reference():
-    m = micro()
-    x, _ = batch()
-    torch.testing.assert_close(m(x), ref_forward(m, x), rtol=0, atol=1e-12)
+    m, x = micro(), batch()[0]
+    w = torch.randn(len(x), CFG.num_classes, dtype=torch.float64)
+    out, ref = m(x), ref_forward(m, x)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    # gradients too: Normalize's own backward and the norm affine folded into qkv / fc1 / head
+    params = list(m.parameters())
+    for g, r, (n, _) in zip(torch.autograd.grad((out * w).sum(), params), torch.autograd.grad((ref * w).sum(), params),
+                            m.named_parameters()):
+        torch.testing.assert_close(g, r, rtol=0, atol=1e-12, msg=n)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_norm_keeps_one_bf16_activation_under_autocast(device):
+    # nn.LayerNorm + nn.Linear under bf16 autocast keep the fp32 input and a bf16 normalised copy;
+    # norm_linear keeps only the bf16 output, and computes the same function
+    from vit import norm_linear
+
+    torch.manual_seed(0)
+    norm, lin = torch.nn.LayerNorm(32, eps=1e-6).to(device), torch.nn.Linear(32, 24).to(device)
+    with torch.no_grad():
+        norm.weight.normal_(1, 0.2), norm.bias.normal_(0, 0.1)
+    x = torch.randn(4, 9, 32, device=device, requires_grad=True)
+
+    def kept(f):  # distinct storages autograd keeps that are as large as the activations: {dtype}
+        big = {}
+        def pack(t):
+            if t.numel() >= x.numel():
+                big[t.untyped_storage().data_ptr()] = t.dtype
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast(device, dtype=torch.bfloat16):
+            return f(), sorted(map(str, big.values()))
+
+    (out, ours), (ref, theirs) = kept(lambda: norm_linear(x, norm, lin)), kept(lambda: lin(norm(x)))
+    assert ours == ["torch.bfloat16"] and theirs == ["torch.bfloat16", "torch.float32"]
+    assert out.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0.02, atol=0.02)
+    g = torch.randn_like(out, dtype=torch.float32)
+    gx, gref = torch.autograd.grad(out, x, g)[0], torch.autograd.grad(ref, x, g)[0]
+    assert (gx - gref).norm() < 0.02 * gref.norm()
 
 
 # ---- issue 2, test 1: compact slice == dense with the other units removed by hand --------------
@@ -342,11 +383,13 @@ def test_baselines_train(method):
 
 # ---- issue 3 ---------------------------------------------------------------------------------
 
-def test_masked_equals_compact():
+@pytest.mark.parametrize("device", DEVICES)
+def test_masked_equals_compact(device):
     """Same active units: the structured masked model and the compact BARTER model agree."""
     heads, mlp = [[0, 3], [2], [0, 1, 2, 3]], [list(range(10, 30)), [1, 5, 63], list(range(64))]
-    dense = micro()
-    compact = micro()
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    tol = dict(rtol=0, atol=1e-12) if device == "cpu" else dict(rtol=1e-4, atol=1e-6)
+    dense, compact = micro().to(device, dtype), micro().to(device, dtype)
     resize(compact, None, [torch.tensor(h) for h in heads], [torch.tensor(f) for f in mlp])
     meth = Masked(dense, Schedule(100), dense_frac=0.5)
     for i in range(3):
@@ -355,17 +398,17 @@ def test_masked_equals_compact():
         for kind in ("heads", "mlp"):
             for mod, attr, *_ in dense.blocks[i].units(kind)[2]:
                 mod.parametrizations[attr][0].mask = meth.unit_mask(i, kind, mod, attr)
-    x, y = batch()
+    x, y = (t.to(device) for t in batch(dtype=dtype))
     ld, lc = F.cross_entropy(dense(x), y), F.cross_entropy(compact(x), y)
-    torch.testing.assert_close(dense(x), compact(x), rtol=0, atol=1e-12)
+    torch.testing.assert_close(dense(x), compact(x), **tol)
     ld.backward()
     lc.backward()
     for i, (bd, bc) in enumerate(zip(dense.blocks, compact.blocks)):
         rows = qkv_rows(heads[i], 4)
-        torch.testing.assert_close(leaf(bd.attn.qkv, "weight").grad[rows], bc.attn.qkv.weight.grad, rtol=0, atol=1e-12)
-        torch.testing.assert_close(leaf(bd.attn.proj, "weight").grad[:, head_cols(heads[i])], bc.attn.proj.weight.grad, rtol=0, atol=1e-12)
-        torch.testing.assert_close(leaf(bd.mlp.fc1, "bias").grad[mlp[i]], bc.mlp.fc1.bias.grad, rtol=0, atol=1e-12)
-        torch.testing.assert_close(leaf(bd.mlp.fc2, "weight").grad[:, mlp[i]], bc.mlp.fc2.weight.grad, rtol=0, atol=1e-12)
+        torch.testing.assert_close(leaf(bd.attn.qkv, "weight").grad[rows], bc.attn.qkv.weight.grad, **tol)
+        torch.testing.assert_close(leaf(bd.attn.proj, "weight").grad[:, head_cols(heads[i])], bc.attn.proj.weight.grad, **tol)
+        torch.testing.assert_close(leaf(bd.mlp.fc1, "bias").grad[mlp[i]], bc.mlp.fc1.bias.grad, **tol)
+        torch.testing.assert_close(leaf(bd.mlp.fc2, "weight").grad[:, mlp[i]], bc.mlp.fc2.weight.grad, **tol)
 
 
 @pytest.mark.parametrize("method", ["masked", "rigl", "set", "bidst"])
@@ -485,6 +528,18 @@ def test_main_smoke_every_method(tmp_path, method):
     assert ck["step"] == 22 and ck["format"] == train.CKPT_FORMAT
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_training_run_in_bf16_moves_units(tmp_path):
+    a = targs(tmp_path, device="cuda", max_steps=40)
+    model, _, _ = train.main(a)
+    log = read_log(a.out_dir)
+    assert next(model.parameters()).is_cuda and a.bf16
+    ups = [r for r in log if r["type"] == "update"]
+    assert len(ups) == 4 and sum(r["moved"]["heads"] + r["moved"]["mlp"] for r in ups) > 0
+    ep = log[-1]
+    assert math.isfinite(ep["train_loss"]) and ep["peak_mem_mb"] > 0
+
+
 @pytest.mark.parametrize("method", ["barter", "masked", "bidst"])
 def test_resume_is_exact(tmp_path, method):
     whole = targs(tmp_path, method=method, max_steps=100, out_dir=str(tmp_path / "whole"))
@@ -596,17 +651,18 @@ def test_synthetic_data_is_learnable_and_fixed_by_seed():
 
 # ---- issue 5: bench.py -------------------------------------------------------------------------
 
-def test_bench_smoke_writes_every_field(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_bench_smoke_writes_every_field(tmp_path, device):
     import bench
 
     out = tmp_path / "bench.json"
     res = bench.main(bench.Args(models=("micro",), densities=(0.3,), steps=1, rounds=2, warmup=1,
-                                device="cpu", out=str(out)))
+                                device=device, out=str(out)))
     saved = json.loads(out.read_text())
     assert saved["rows"] == json.loads(json.dumps(res["rows"]))
     assert {r["method"] for r in saved["rows"]} == {"dense", "masked", "rigl", "barter"}
     common = {"model", "method", "density", "batch_size", "step_ms", "step_ms_min", "step_ms_max",
-              "img_per_s", "flops_per_img", "density_measured", "peak_mem_mb"}
+              "img_per_s", "flops_per_img", "density_measured", "peak_mem_mb", "act_mb_per_img", "act_by_op"}
     for r in saved["rows"]:
         assert common <= set(r), common - set(r)
         assert r["step_ms_min"] <= r["step_ms"] <= r["step_ms_max"] and r["peak_mem_mb"] > 0
@@ -621,6 +677,29 @@ def test_bench_smoke_writes_every_field(tmp_path):
         return (n * c.dim * 3 * 64 + c.dim * 10 + heads * (n * c.dim * 4 * HD + 2 * n * n * HD) + mlp * 2 * n * c.dim)
     assert barter["ideal_speedup"] == pytest.approx(flops(12, 192) / flops(4, 58))
     assert "| micro | barter | 0.3 |" in bench.table(saved)
+    assert "micro, density 0.3: MB per image that autograd keeps for backward" in bench.table(saved)
+
+
+def test_activation_count_matches_saved_tensor_hooks():
+    # bench walks the autograd graph and names the op behind each saved tensor; the saved-tensor hooks
+    # see every tensor saved, without names. Both must count the same bytes per image.
+    import bench
+
+    def hooked(c, n):
+        params, kept = {p.untyped_storage().data_ptr() for p in c.model.parameters()}, {}
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            F.cross_entropy(c.model(c.x[:n]), c.y[:n])
+        return sum(kept.values())
+
+    for method in ("masked", "barter"):
+        c = bench.Config("micro", method, 0.3, 6, torch.device("cpu"), False, False)
+        by_op = bench.activation_mb(c)
+        assert sum(by_op.values()) == pytest.approx((hooked(c, 6) - hooked(c, 1)) / 5 / 2**20, rel=1e-9)
+        assert {"Addmm", "Gelu"} <= set(by_op), by_op
 
 
 def test_converts_vit_b_16_layout():

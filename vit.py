@@ -56,6 +56,39 @@ def linear(n_in, n_out):
         return nn.Linear(n_in, n_out)
 
 
+class Normalize(torch.autograd.Function):
+    """LayerNorm without its affine that keeps its OUTPUT y for backward instead of its input x.
+    The linear after it keeps y anyway (for its weight gradient), so a norm costs one saved tensor
+    rather than two: nn.LayerNorm keeps the fp32 residual x and the linear a (bf16) copy of its
+    output. At low density these norms are most of what BARTER keeps for backward (bench.py says
+    how much). Under autocast y is returned, and kept, in the autocast dtype."""
+
+    @staticmethod
+    def forward(ctx, x, eps):
+        y, _, rstd = torch.native_layer_norm(x, x.shape[-1:], None, None, eps)  # rstd: (..., 1)
+        if torch.is_autocast_enabled(x.device.type):
+            y = y.to(torch.get_autocast_dtype(x.device.type))
+        ctx.save_for_backward(y, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        y, rstd = ctx.saved_tensors
+        y, g = y.to(rstd.dtype), g.to(rstd.dtype)
+        # dL/dx = rstd * (g - mean(g) - y * mean(g * y)): LayerNorm's own backward computes the
+        # bracket when told that its input is y itself (mean 0, rstd 1)
+        zero, one = torch.zeros_like(rstd), torch.ones_like(rstd)
+        bracket = torch.ops.aten.native_layer_norm_backward(g, y, y.shape[-1:], zero, one, None, None, [True, False, False])[0]
+        return bracket * rstd, None
+
+
+def norm_linear(x, norm, lin):
+    """lin(norm(x)) with the norm's affine folded into the linear, so that the linear reads (and
+    keeps) Normalize's output: (y*gamma + beta) W^T + b = y (W*gamma)^T + (W beta + b)."""
+    W = lin.weight  # read once: under a mask parametrization every read is a new tensor
+    return F.linear(Normalize.apply(x, norm.eps), W * norm.weight, lin.bias + W @ norm.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, dim, num_heads, head_dim):
         super().__init__()
@@ -63,11 +96,9 @@ class Attention(nn.Module):
         self.qkv = linear(dim, 3 * num_heads * head_dim)
         self.proj = linear(num_heads * head_dim, dim)
 
-    def forward(self, x):
-        B, N, C = x.shape
-        if self.num_heads == 0:  # what a fully masked branch outputs, with no zero-size kernels
-            return self.proj.bias.expand(B, N, C)
-        qkv = self.qkv(x).view(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+    def forward(self, x, norm):  # x: the residual stream (B, N, D); norm: the block's norm1, folded into qkv
+        B, N, _ = x.shape
+        qkv = norm_linear(x, norm, self.qkv).view(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # (B, h, N, hd) each
         x = F.scaled_dot_product_attention(q, k, v)
         x = x.transpose(1, 2).reshape(B, N, self.num_heads * self.head_dim)
@@ -81,10 +112,8 @@ class Mlp(nn.Module):
         self.fc1 = linear(dim, hidden)
         self.fc2 = linear(hidden, dim)
 
-    def forward(self, x):
-        if self.hidden == 0:
-            return self.fc2.bias.expand(x.shape)
-        return self.fc2(F.gelu(self.fc1(x)))
+    def forward(self, x, norm):
+        return self.fc2(F.gelu(norm_linear(x, norm, self.fc1)))
 
 
 class Block(nn.Module):
@@ -96,8 +125,9 @@ class Block(nn.Module):
         self.mlp = Mlp(dim, hidden)
 
     def forward(self, x):
-        x = x + self.attn(self.norm1(x))
-        x = x + self.mlp(self.norm2(x))
+        # a branch with no units adds what a fully masked one outputs, its bias: no norm, no kernels
+        x = x + (self.attn(x, self.norm1) if self.attn.num_heads else self.attn.proj.bias)
+        x = x + (self.mlp(x, self.norm2) if self.mlp.hidden else self.mlp.fc2.bias)
         return x
 
     # ---- the one place that says which rows/columns of which tensors a unit owns ----
@@ -172,7 +202,7 @@ class ViT(nn.Module):
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
         for blk in self.blocks:
             x = blk(x)
-        return self.head(self.norm(x)[:, 0])  # (B, classes)
+        return norm_linear(x[:, 0], self.norm, self.head)  # (B, classes): only the class token is read  # (B, classes)
 
     def counts(self, kind):
         return [b.units(kind)[0] for b in self.blocks]
