@@ -51,6 +51,8 @@ class Args:
     """torch.compile every model"""
     memory: bool = True
     """measure peak memory (on CPU: one subprocess per configuration)"""
+    profile: bool = False
+    """also print which ops the time of a step goes to (torch.profiler), for masked and barter at the lowest density"""
     out: str = "bench.json"
     """JSON output path"""
 
@@ -155,6 +157,17 @@ def activation_mb(c):
     return {k: v for k, v in sorted(by_op.items(), key=lambda kv: -kv[1]) if v > 0}
 
 
+def top_ops(c, steps, rows=12):
+    """torch.profiler table of `steps` steps, sorted by the time ops take themselves (on the GPU, if any)."""
+    cuda = c.device.type == "cuda"
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        c.run(steps)
+        train.sync(c.device)
+    table = prof.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=rows)
+    return f"{c.key['model']} {c.key['method']} d={c.key['density']}, {steps} steps\n{table}"
+
+
 def update_cost(c, repeats=3):
     """Seconds of one BARTER topology update at the largest fraction moved (alpha0)."""
     sched = c.meth.schedule
@@ -184,7 +197,7 @@ def main(a: Args):
     machine = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
                "cpu_threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
                "bf16": bf16, "compile": a.compile}
-    rows = []
+    rows, profiles = [], []
     for model_name in models:
         bs = a.batch_size or (128 if preset(model_name).img_size <= 64 else 256)
         configs = [Config(model_name, m, d, bs, device, bf16, a.compile) for d in a.densities for m in a.methods
@@ -194,6 +207,9 @@ def main(a: Args):
         for _ in tqdm(range(a.rounds), desc=f"{model_name} rounds", leave=False, disable=None):
             for c in configs:
                 c.timed(steps)
+        if a.profile:
+            low = min(a.densities)
+            profiles += [top_ops(c, steps) for c in configs if c.key["density"] == low and c.key["method"] in ("masked", "barter")]
         for c in configs:
             r = {**c.key, "batch_size": bs, "step_ms": 1e3 * statistics.median(c.times),
                  "step_ms_min": 1e3 * min(c.times), "step_ms_max": 1e3 * max(c.times),
@@ -221,10 +237,10 @@ def main(a: Args):
             if "peak_mem_mb" in r:
                 r["mem_vs_masked"] = r["peak_mem_mb"] / ref["peak_mem_mb"]
     result = {"command": "python bench.py " + " ".join(sys.argv[1:]), "machine": machine, "args": asdict(a),
-              "steps_per_round": steps, "rows": rows}
+              "steps_per_round": steps, "rows": rows, "profiles": profiles}
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(table(result))
+    print("\n\n".join([table(result)] + profiles))
     return result
 
 

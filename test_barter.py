@@ -657,7 +657,7 @@ def test_bench_smoke_writes_every_field(tmp_path, device):
 
     out = tmp_path / "bench.json"
     res = bench.main(bench.Args(models=("micro",), densities=(0.3,), steps=1, rounds=2, warmup=1,
-                                device=device, out=str(out)))
+                                device=device, profile=True, out=str(out)))
     saved = json.loads(out.read_text())
     assert saved["rows"] == json.loads(json.dumps(res["rows"]))
     assert {r["method"] for r in saved["rows"]} == {"dense", "masked", "rigl", "barter"}
@@ -678,6 +678,8 @@ def test_bench_smoke_writes_every_field(tmp_path, device):
     assert barter["ideal_speedup"] == pytest.approx(flops(12, 192) / flops(4, 58))
     assert "| micro | barter | 0.3 |" in bench.table(saved)
     assert "micro, density 0.3: MB per image that autograd keeps for backward" in bench.table(saved)
+    assert [p.split(",")[0] for p in saved["profiles"]] == ["micro masked d=0.3", "micro barter d=0.3"]
+    assert all("aten::" in p for p in saved["profiles"])
 
 
 def test_activation_count_matches_saved_tensor_hooks():
