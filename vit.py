@@ -119,6 +119,7 @@ class Mlp(nn.Module):
 class Block(nn.Module):
     def __init__(self, dim, num_heads, head_dim, hidden):
         super().__init__()
+        # the norms hold gain, bias and eps under timm's names; norm_linear applies them (never called)
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = Attention(dim, num_heads, head_dim)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
