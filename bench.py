@@ -76,7 +76,7 @@ class Config:
         self.key = dict(model=model_name, method=method, density=density if method != "dense" else 1.0)
         self.model, self.meth, self.opt, self.x, self.y = build(model_name, method, density, batch_size, device)
         self.fwd = torch.compile(self.model) if compile else self.model
-        self.amp = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else train.nullcontext()
+        self.amp = train.autocast(device, bf16)
         self.device, self.t, self.times = device, 0, []
 
     def run(self, n):
@@ -193,7 +193,7 @@ def main(a: Args):
     device = train.pick_device(a.device)
     steps = a.steps or (10 if device.type == "cuda" else 2)
     models = a.models or (("cifar-tiny", "deit-small") if device.type == "cuda" else ("cifar-tiny",))
-    bf16 = a.bf16 if a.bf16 is not None else device.type == "cuda" and torch.cuda.is_bf16_supported()
+    bf16 = a.bf16 if a.bf16 is not None else train.bf16_supported(device)
     machine = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
                "cpu_threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
                "bf16": bf16, "compile": a.compile}
@@ -260,11 +260,11 @@ def table(result):
     for model in dict.fromkeys(r["model"] for r in result["rows"]):
         low = min(r["density"] for r in result["rows"] if r["model"] == model)
         cols = [r for r in result["rows"] if r["model"] == model and r["density"] == low]
-        ops = sorted({op for r in cols for op in r["act_by_op"]}, key=lambda op: -max(r["act_by_op"].get(op, 0) for r in cols))
+        most = {op: max(r["act_by_op"].get(op, 0) for r in cols) for r in cols for op in r["act_by_op"]}
+        ops = sorted((op for op in most if most[op] >= 0.005), key=lambda op: -most[op])  # 0.00 everywhere: left out
         lines += ["", f"{model}, density {low}: MB per image that autograd keeps for backward, by op", "",
                   "| op | " + " | ".join(r["method"] for r in cols) + " |", "|---" * (len(cols) + 1) + "|"]
-        lines += [f"| {op} | " + " | ".join(f"{r['act_by_op'].get(op, 0):.2f}" for r in cols) + " |" for op in ops
-                  if max(r["act_by_op"].get(op, 0) for r in cols) >= 0.005]  # what rounds to 0.00 everywhere is left out
+        lines += [f"| {op} | " + " | ".join(f"{r['act_by_op'].get(op, 0):.2f}" for r in cols) + " |" for op in ops]
     return "\n".join(lines)
 
 

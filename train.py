@@ -193,10 +193,12 @@ def train_step(model, fwd, method, opt, x, y, t, amp, clip=0.0, smoothing=0.0):
     return loss.detach(), method.after_step(opt, t)
 
 
+def bf16_supported(device):
+    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+
 def autocast(device, bf16):
-    if device.type == "cuda" and bf16 and torch.cuda.is_bf16_supported():
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
 
 
 def sync(device):
@@ -269,7 +271,7 @@ def main(args: Args):
         torch.set_rng_state(ckpt["rng"]["torch"])
         step = ckpt["step"]
     fwd = torch.compile(model) if args.compile else model
-    amp = autocast(device, args.bf16)
+    amp = autocast(device, args.bf16 and bf16_supported(device))  # the CPU trains in fp32
     end = min(total, args.max_steps or total)
     warm = args.warmup_epochs * spe
 

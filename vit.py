@@ -203,7 +203,7 @@ class ViT(nn.Module):
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
         for blk in self.blocks:
             x = blk(x)
-        return norm_linear(x[:, 0], self.norm, self.head)  # (B, classes): only the class token is read  # (B, classes)
+        return norm_linear(x[:, 0], self.norm, self.head)  # (B, classes): only the class token is read
 
     def counts(self, kind):
         return [b.units(kind)[0] for b in self.blocks]
