@@ -1,11 +1,14 @@
 """
 Datasets. Small ones (CIFAR, MNIST, Fashion-MNIST, synthetic) live on the training device as uint8
-and are augmented there (random crop with 4 px padding, horizontal flip), so the input pipeline never
-limits img/s, not even for a model at density 0.1. An image folder (ImageNet layout) goes through a
-torchvision DataLoader. Batch order and augmentation are a pure function of (seed, epoch, batch), so a
-run resumed in the middle of an epoch sees exactly the batches it would have seen.
+at their own size and are resized to the model's image size and augmented there (random crop with
+4 px padding, horizontal flip except for digits), so the input pipeline never limits img/s, not even
+for a model at density 0.1. An image folder (ImageNet layout) goes through a torchvision DataLoader.
+Batch order and augmentation are a pure function of (seed, epoch, batch), so a run resumed in the
+middle of an epoch sees exactly the batches it would have seen.
 """
 import functools
+import gzip
+import math
 import os
 from dataclasses import dataclass
 
@@ -13,6 +16,12 @@ import torch
 import torch.nn.functional as F
 
 DATASETS = ("cifar10", "cifar100", "mnist", "fashion-mnist", "synthetic", "folder")
+# a horizontally flipped digit is another digit (or none)
+NO_FLIP = {"mnist"}
+# offline copies that a distribution package installs: gzipped IDX files, as released
+PACKAGED = {"fashion-mnist": ("/usr/share/datasets/fashion-mnist", "dataset-fashion-mnist")}
+IDX_FILES = {True: ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
+             False: ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
 
 
 class DataError(RuntimeError):
@@ -54,27 +63,60 @@ def synthetic_set():
     return make_synthetic(5000, patterns, 1), make_synthetic(1000, patterns, 2)
 
 
+def read_idx(path):
+    """A gzipped IDX file (the MNIST release format) as a uint8 tensor: magic 0 0 8 ndim, ndim
+    big-endian sizes, then the bytes."""
+    with gzip.open(path, "rb") as f:
+        raw = f.read()
+    if len(raw) < 4 or raw[:3] != b"\x00\x00\x08":
+        raise DataError(f"{path} is not a gzipped IDX file of bytes")
+    nd = raw[3]
+    dims = [int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(nd)]
+    if len(raw) != 4 + 4 * nd + math.prod(dims):
+        raise DataError(f"{path} is truncated: {len(raw)} bytes for shape {dims}")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8, offset=4 + 4 * nd).view(dims)
+
+
+def packaged_set(name, train):
+    """(images, labels) from the folder a distribution package installs, or None if it is not there."""
+    folder = PACKAGED.get(name, (None,))[0]
+    paths = [os.path.join(folder, f) for f in IDX_FILES[train]] if folder else []
+    if not paths or not all(os.path.isfile(p) for p in paths):
+        return None
+    x, y = (read_idx(p) for p in paths)
+    return x[:, None].contiguous(), y.long()
+
+
 def torchvision_set(name, root, train):
+    """A torchvision set already in `root`, else the packaged copy, else a download into `root`."""
     import torchvision.datasets as tvd
 
     cls = {"cifar10": tvd.CIFAR10, "cifar100": tvd.CIFAR100, "mnist": tvd.MNIST, "fashion-mnist": tvd.FashionMNIST}[name]
     try:
-        ds = cls(root, train=train, download=True)
-    except Exception as e:  # no network, a proxy, a half-written file...
-        raise DataError(f"could not get {name} into {os.path.abspath(root)!r} ({type(e).__name__}: {e}). "
-                           f"Put the files torchvision expects there by hand, or try the tool offline with "
-                           f"--data synthetic") from None
+        ds = cls(root, train=train, download=False)
+    except Exception:  # not there (yet)
+        packaged = packaged_set(name, train)
+        if packaged is not None:
+            return packaged
+        try:
+            ds = cls(root, train=train, download=True)
+        except Exception as e:  # no network, a proxy, a half-written file...
+            pkg = f", install the {PACKAGED[name][1]} package (apt-get install {PACKAGED[name][1]})" if name in PACKAGED else ""
+            raise DataError(f"could not get {name} into {os.path.abspath(root)!r} ({type(e).__name__}: {e}). "
+                            f"Put the files torchvision expects there by hand{pkg}, or try the tool offline "
+                            f"with --data synthetic") from None
     x = torch.as_tensor(ds.data)
-    x = x.permute(0, 3, 1, 2) if x.ndim == 4 else F.pad(x[:, None], (2, 2, 2, 2))  # MNIST: 28 -> 32 px
-    return x.contiguous(), torch.as_tensor(ds.targets)
+    x = x.permute(0, 3, 1, 2) if x.ndim == 4 else x[:, None]  # (n, C, H, W)
+    return x.contiguous(), torch.as_tensor(ds.targets).long()
 
 
 class TensorLoader:
     """Batches from uint8 images held on `device`; augmentation on the device."""
 
-    def __init__(self, x, y, batch_size, train, mean, std, seed=0, device="cpu"):
+    def __init__(self, x, y, batch_size, train, mean, std, seed=0, device="cpu", img_size=None, flip=True, augment=True):
         self.x, self.y = x.to(device), y.to(device)
         self.batch_size, self.train, self.seed, self.device = batch_size, train, seed, device
+        self.img_size, self.flip, self.aug = img_size or x.shape[-1], flip, augment
         self.mean = mean.view(1, -1, 1, 1).to(device)
         self.std = std.view(1, -1, 1, 1).to(device)
 
@@ -91,14 +133,16 @@ class TensorLoader:
         for b in range(start, len(self)):
             idx = order[b * B:(b + 1) * B].to(self.device)
             x = self.x[idx].float().div_(255)
-            if self.train:
+            if x.shape[-2:] != (self.img_size, self.img_size):  # to the model's size, on the device
+                x = F.interpolate(x, size=(self.img_size, self.img_size), mode="bilinear", antialias=True)
+            if self.train and self.aug:
                 x = self.augment(x, torch.Generator().manual_seed((self.seed * 100003 + epoch) * 100003 + b))
             yield (x - self.mean) / self.std, self.y[idx]
 
     def augment(self, x, g):
         B, C, H, W = x.shape
         dy, dx = (torch.randint(0, 9, (2, B), generator=g)).to(x.device)
-        flip = (torch.rand(B, generator=g) < 0.5).to(x.device)
+        flip = (torch.rand(B, generator=g) < 0.5).to(x.device) & self.flip
         xp = F.pad(x, (4, 4, 4, 4))
         rows = (dy[:, None] + torch.arange(H, device=x.device))[:, None, :, None]
         cols = (dx[:, None] + torch.arange(W, device=x.device))[:, None, None, :]
@@ -109,13 +153,13 @@ class TensorLoader:
 class FolderLoader:
     """An ImageNet-layout folder (train/ and val/, one subfolder per class) through a DataLoader."""
 
-    def __init__(self, root, img_size, batch_size, train, seed=0, workers=8, device="cpu"):
+    def __init__(self, root, img_size, batch_size, train, seed=0, workers=8, device="cpu", augment=True):
         import torchvision.datasets as tvd
         import torchvision.transforms as T
 
         mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
         tf = (T.Compose([T.RandomResizedCrop(img_size), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(mean, std)])
-              if train else T.Compose([T.Resize(int(img_size * 8 / 7)), T.CenterCrop(img_size), T.ToTensor(), T.Normalize(mean, std)]))
+              if train and augment else T.Compose([T.Resize(int(img_size * 8 / 7)), T.CenterCrop(img_size), T.ToTensor(), T.Normalize(mean, std)]))
         self.ds = tvd.ImageFolder(os.path.join(root, "train" if train else "val"), transform=tf)
         self.batch_size, self.train, self.seed, self.workers = batch_size, train, seed, workers
         self.device = torch.device(device)
@@ -143,15 +187,17 @@ def folder_problem(root):
     return None
 
 
-def load(name, data_dir, batch_size, device, img_size=224, seed=0, workers=8):
-    """(train loader, test loader, DataInfo). `img_size` is used only for an image folder."""
+def load(name, data_dir, batch_size, device, img_size=None, seed=0, workers=8, augment=True):
+    """(train loader, test loader, DataInfo). Images come out at `img_size` px (None: the set's own
+    size; 224 for an image folder); training images augmented unless `augment` is False."""
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
     if name == "folder":
         problem = folder_problem(data_dir)
         if problem:
             raise FileNotFoundError(f"--data folder: {problem}")
-        tr = FolderLoader(data_dir, img_size, batch_size, True, seed, workers, device)
+        img_size = img_size or 224
+        tr = FolderLoader(data_dir, img_size, batch_size, True, seed, workers, device, augment)
         te = FolderLoader(data_dir, img_size, batch_size, False, seed, workers, device)
         return tr, te, DataInfo(3, img_size, len(tr.ds.classes))
     if name == "synthetic":
@@ -160,6 +206,7 @@ def load(name, data_dir, batch_size, device, img_size=224, seed=0, workers=8):
         (xtr, ytr), (xte, yte) = torchvision_set(name, data_dir, True), torchvision_set(name, data_dir, False)
     xf = xtr.float() / 255  # normalisation from the training set itself
     mean, std = xf.mean((0, 2, 3)), xf.std((0, 2, 3))
-    info = DataInfo(xtr.shape[1], xtr.shape[2], int(ytr.max()) + 1)
-    return (TensorLoader(xtr, ytr, batch_size, True, mean, std, seed, device),
-            TensorLoader(xte, yte, batch_size, False, mean, std, seed, device), info)
+    info = DataInfo(xtr.shape[1], img_size or xtr.shape[-1], int(ytr.max()) + 1)
+    flip = name not in NO_FLIP
+    return (TensorLoader(xtr, ytr, batch_size, True, mean, std, seed, device, info.img_size, flip, augment),
+            TensorLoader(xte, yte, batch_size, False, mean, std, seed, device, info.img_size, flip), info)
