@@ -7,6 +7,7 @@ masked weights and their optimizer state are zeroed at every mask change, and Ad
 them exactly zero (zero gradient, zero state, decay of zero is zero). `check_zero` asserts it.
 Compute and memory are those of the dense model: that is the cost BARTER avoids.
 
+  static  BARTER's compact start (same units, budgets, init), never updated: the control
   masked  structured: head and MLP-channel masks, BARTER's budgets, schedule and prune scores;
           grows masked units by their dense gradient
   rigl    unstructured per linear layer: drop smallest |W|, grow largest dense |grad|
@@ -21,8 +22,21 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
-from barter import KINDS, select, taylor_scores, uniform, unit_budgets, round_half_up
+from barter import KINDS, Barter, select, taylor_scores, uniform, unit_budgets, round_half_up
 from vit import leaf, per_row
+
+
+class Static(Barter):
+    """BARTER's compact start, trained with no topology update (and no statistics): the control
+    that tells whether moving units helps at all."""
+
+    name = "static"
+
+    def after_backward(self, optimizer, t):
+        pass
+
+    def after_step(self, optimizer, t):
+        return None
 
 
 class Mask(nn.Module):

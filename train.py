@@ -20,17 +20,18 @@ from tqdm import tqdm
 
 import data
 from barter import Barter, Schedule, unit_budgets
-from baselines import BiDST, Dense, Masked, Unstructured
+from baselines import BiDST, Dense, Masked, Static, Unstructured
 from vit import PRESETS, ViT, preset
 
 CKPT_FORMAT = "barter-reference-checkpoint-v1"
-METHODS = ("barter", "masked", "rigl", "set", "bidst", "dense")
+METHODS = ("barter", "static", "masked", "rigl", "set", "bidst", "dense")
+UNIT_METHODS = ("barter", "static", "masked")  # the methods that count heads and MLP channels
 
 
 @dataclass
 class Args:
-    method: Literal["barter", "masked", "rigl", "set", "bidst", "dense"] = "barter"
-    """training method: BARTER (compact) or a full-tensor baseline"""
+    method: Literal["barter", "static", "masked", "rigl", "set", "bidst", "dense"] = "barter"
+    """training method: BARTER (compact), static (BARTER's start, never updated) or a full-tensor baseline"""
     dense_frac: float = 0.1
     """density d in (0, 1]: fraction of heads, MLP channels (and weights for rigl/set/bidst) kept"""
     head_frac: Optional[float] = None
@@ -38,9 +39,13 @@ class Args:
     mlp_frac: Optional[float] = None
     """separate MLP-channel density for barter/masked (None: --dense-frac)"""
     model: str = "cifar-tiny"
-    """model preset: micro, cifar-tiny, deit-tiny, deit-small, deit-base"""
+    """model preset: micro, cifar-tiny, tiny-28, deit-tiny, deit-small, deit-base"""
+    img_size: Optional[int] = None
+    """image size the model sees (None: the preset's); the small datasets are resized to it on the device"""
     data: Literal["cifar10", "cifar100", "mnist", "fashion-mnist", "synthetic", "folder"] = "cifar10"
     """dataset; synthetic needs no network, folder is an ImageNet-layout folder (train/, val/)"""
+    augment: bool = True
+    """random crop (4 px padding) and horizontal flip of training images (never a flip for digits)"""
     data_dir: str = "data"
     """where datasets are downloaded to (or the image folder)"""
     epochs: int = 100
@@ -106,6 +111,9 @@ def validate(args):
          "--lr must be positive; --weight-decay, --warmup-epochs and --clip-grad non-negative")
     need(0 <= args.label_smoothing < 1, f"--label-smoothing must be in [0, 1), got {args.label_smoothing}")
     need(args.model in PRESETS, f"unknown --model {args.model!r}; choose from {', '.join(PRESETS)}")
+    patch = PRESETS[args.model].patch_size
+    need(args.img_size is None or (args.img_size > 0 and args.img_size % patch == 0),
+         f"--img-size must be a positive multiple of {args.model}'s patch size {patch}, got {args.img_size}")
     need(args.method in METHODS, f"unknown --method {args.method!r}; choose from {', '.join(METHODS)}")
     need(args.data in data.DATASETS, f"unknown --data {args.data!r}; choose from {', '.join(data.DATASETS)}")
     if args.data == "folder":
@@ -118,7 +126,7 @@ def validate(args):
     existing = os.path.join(run_dir(args), "checkpoint.pt")
     need(args.resume or not os.path.exists(existing), f"{run_dir(args)} holds a checkpoint already: "
          f"continue it with --resume {existing}, or pick another --out-dir")
-    if args.method in ("barter", "masked"):
+    if args.method in UNIT_METHODS:
         try:
             unit_budgets(PRESETS[args.model], args.dense_frac, args.head_frac, args.mlp_frac)
         except ValueError as e:
@@ -160,8 +168,8 @@ def load_resume(args):
 
 
 def make_method(name, model, schedule, dense_frac, head_frac=None, mlp_frac=None, distribution="erk", seed=0):
-    if name == "barter":
-        return Barter(model, schedule, dense_frac, head_frac, mlp_frac, seed=seed)
+    if name in ("barter", "static"):
+        return (Barter if name == "barter" else Static)(model, schedule, dense_frac, head_frac, mlp_frac, seed=seed)
     if name == "masked":
         return Masked(model, schedule, dense_frac, head_frac, mlp_frac, seed=seed)
     if name in ("rigl", "set"):
@@ -243,15 +251,42 @@ def save_checkpoint(path, **state):
     os.replace(tmp, path)  # atomic: a crash mid-write never leaves a broken checkpoint
 
 
+def read_log(out):
+    """The records of a run's log.jsonl (a torn last line, from a kill mid-write, is dropped)."""
+    recs = []
+    with open(os.path.join(out, "log.jsonl")) as f:
+        for line in f:
+            try:
+                recs.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return recs
+
+
+def summarize(out, total_steps, counts=None):
+    """One record for the whole run, from its log (so a resumed run counts every part)."""
+    recs = read_log(out)
+    ep = [r for r in recs if r["type"] in ("epoch", "partial-epoch")]
+    seconds = sum(r["seconds"] for r in ep)
+    images = sum(r["seconds"] * r["img_per_s"] for r in ep)
+    top1 = [r["test_top1"] for r in ep]
+    rec = {"type": "summary", "step": ep[-1]["step"], "total_steps": total_steps, "final_top1": top1[-1],
+           "best_top1": max(top1), "train_seconds": seconds, "img_per_s": images / seconds,
+           "peak_mem_mb": max(r["peak_mem_mb"] for r in ep), "mem": ep[-1]["mem"], "density": ep[-1]["density"]}
+    if counts:
+        rec["counts"] = counts
+    return rec
+
+
 def main(args: Args):
     validate(args)
     ckpt = load_resume(args) if args.resume else None
     device = pick_device(args.device)
     out = run_dir(args)
-    os.makedirs(out, exist_ok=True)
     torch.manual_seed(args.seed)
     train_dl, test_dl, info = data.load(args.data, args.data_dir, args.batch_size, device,
-                                        PRESETS[args.model].img_size, args.seed, args.workers)
+                                        args.img_size or PRESETS[args.model].img_size, args.seed, args.workers,
+                                        args.augment)
     cfg = preset(args.model, in_chans=info.in_chans, img_size=info.img_size, num_classes=info.num_classes)
     shapes = {"heads": ckpt["heads"], "mlp": ckpt["mlp"]} if ckpt else {}
     model = ViT(cfg, **shapes).to(device)
@@ -284,17 +319,27 @@ def main(args: Args):
                         optimizer=opt.state_dict(), method=method.state_dict(), step=step,
                         rng={"torch": torch.get_rng_state()})
 
+    # everything that can fail on bad input has run: only now does the run get its folder
+    os.makedirs(out, exist_ok=True)
+    log_path = os.path.join(out, "log.jsonl")
+    if ckpt:  # records written after the checkpoint (a kill mid-epoch) are replayed: drop them
+        kept = [r for r in read_log(out) if r["step"] <= step and r["type"] != "summary"] if os.path.exists(log_path) else []
+        with open(log_path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
     stop = []  # Ctrl-C / SIGTERM finish the current step, save, and exit cleanly
     handler = lambda sig, frame: stop.append(sig)
     old_handlers = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    log = open(os.path.join(out, "log.jsonl"), "a" if ckpt else "w")
+    log = open(log_path, "a" if ckpt else "w")
     counts = {}
     print(f"{args.method} d={args.dense_frac} {args.model} on {args.data} ({device}): "
           f"{sum(p.numel() for p in model.parameters()):,} parameters, density {method.density():.4f}, "
           f"{spe} steps/epoch, {total} steps" + (f", resumed at step {step}" if ckpt else ""))
-    if args.method in ("barter", "masked"):
+    if args.method in UNIT_METHODS:
         print("units per block: " + " | ".join(f"{k} " + " ".join(map(str, method.counts(k))) for k in ("heads", "mlp")))
         counts = {k: method.counts(k) for k in ("heads", "mlp")}
+    if not ckpt:  # what a reader of the log (plot.py, study.py) needs to know about the run
+        log.write(json.dumps({"type": "start", "step": 0, "args": asdict(args), "cfg": asdict(cfg),
+                              "dense": {"heads": cfg.num_heads, "mlp": cfg.mlp_hidden}, "counts": counts}) + "\n")
     try:
         while step < end and not stop:
             epoch, first = divmod(step, spe)
@@ -327,7 +372,7 @@ def main(args: Args):
             bar.close()
             done_epoch = step % spe == 0
             rec = {"type": "epoch" if done_epoch else "partial-epoch", "epoch": epoch + 1, "step": step,
-                   "train_loss": float(loss_sum) / max(n_img // args.batch_size, 1),
+                   "train_loss": float(loss_sum) / max(n_img // args.batch_size, 1), "seconds": seconds,
                    "img_per_s": n_img / seconds, "peak_mem_mb": peak_memory_mb(device),
                    "mem": "cuda-allocator-peak" if device.type == "cuda" else "process-peak-rss",
                    "params": sum(p.numel() for p in model.parameters()), "density": method.density()}
@@ -339,6 +384,11 @@ def main(args: Args):
             log.write(json.dumps(rec) + "\n")
             log.flush()
             checkpoint()
+        if not stop:
+            summary = summarize(out, total, {k: method.counts(k) for k in ("heads", "mlp")}
+                                if args.method in UNIT_METHODS else None)
+            log.write(json.dumps(summary) + "\n")
+            print(show_summary(summary, out))
     except FloatingPointError as e:
         print(f"error: {e}; stopping. The last good checkpoint in {out} is intact.", file=sys.stderr)
         raise SystemExit(1)
@@ -349,6 +399,17 @@ def main(args: Args):
     if stop:
         print(f"interrupted: checkpoint at step {step} saved in {out}; continue with --resume {out}/checkpoint.pt")
     return model, method, opt
+
+
+def show_summary(s, out):
+    done = "done" if s["step"] >= s["total_steps"] else "stopped early (--max-steps)"
+    mem = f"{s['peak_mem_mb']:.0f} MB {'CUDA allocator' if s['mem'].startswith('cuda') else 'process RSS'}"
+    lines = [f"{done}: step {s['step']}/{s['total_steps']}, test top-1 {s['final_top1']:.4f} (best {s['best_top1']:.4f}), "
+             f"{s['train_seconds']:.0f} s of training at {s['img_per_s']:.0f} img/s, peak {mem}, density {s['density']:.4f}"]
+    if "counts" in s:
+        lines.append("final units per block: " + " | ".join(f"{k} " + " ".join(map(str, c)) for k, c in s["counts"].items()))
+    lines.append(f"picture of this run: python plot.py {out}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,8 @@ class ViTConfig:
 PRESETS = {
     "micro": ViTConfig(img_size=32, patch_size=8, dim=32, depth=3, num_heads=4, mlp_ratio=2.0),
     "cifar-tiny": ViTConfig(img_size=32, patch_size=4, dim=192, depth=12, num_heads=3),
+    # 28 px (MNIST, Fashion-MNIST), 4x4 patches of 7 px: small enough for accuracy studies on a CPU
+    "tiny-28": ViTConfig(img_size=28, patch_size=7, in_chans=1, dim=72, depth=6, num_heads=6),
     "deit-tiny": ViTConfig(img_size=224, patch_size=16, num_classes=1000, dim=192, depth=12, num_heads=3),
     "deit-small": ViTConfig(img_size=224, patch_size=16, num_classes=1000, dim=384, depth=12, num_heads=6),
     "deit-base": ViTConfig(img_size=224, patch_size=16, num_classes=1000, dim=768, depth=12, num_heads=12),

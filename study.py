@@ -1,0 +1,253 @@
+"""
+Accuracy study: methods x densities x seeds, every run through train.main with one set of shared
+arguments, then one markdown table. `python study.py` runs the README's protocol (Fashion-MNIST,
+tiny-28). Finished runs are skipped and interrupted ones resumed from their checkpoint, so a study
+that is stopped (Ctrl-C, a reboot) continues where it was when started again with the same command.
+
+Writes, under --out: one folder per run (train.py's log.jsonl and checkpoint.pt), results.md (the
+tables), curves.json (every run's per-epoch records) and equal_time.json (the epochs chosen for the
+equal wall-clock runs, fixed once measured so that a resumed study reuses them).
+"""
+import concurrent.futures as cf
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass, field, replace
+
+import torch
+from tqdm import tqdm
+
+import train
+from train import Args as TrainArgs
+
+
+def protocol():
+    """The README's study: Fashion-MNIST (offline from the Debian package), the 28 px preset, a short
+    schedule that the whole grid fits in about an hour of a 2-core CPU (no augmentation: in 3 epochs
+    the crops only slow learning down)."""
+    return train.Args(model="tiny-28", data="fashion-mnist", epochs=3, warmup_epochs=1, lr=3e-3, augment=False,
+                      update_every=100)
+
+
+@dataclass
+class Args:
+    methods: tuple[str, ...] = ("dense", "static", "masked", "rigl", "barter")
+    """methods to run (dense once per seed, at density 1)"""
+    densities: tuple[float, ...] = (0.1, 0.3, 0.5)
+    """densities for every method but dense"""
+    seeds: tuple[int, ...] = (0, 1, 2)
+    """seeds; every number in the tables is a mean over them with the min-max beside it"""
+    equal_time: tuple[str, ...] = ("barter",)
+    """methods also run for as long as `masked` trained at the same density (more epochs, same recipe)"""
+    out: str = "runs/study"
+    """folder for the runs and the tables"""
+    jobs: int = 1
+    """runs at once, each with cores/jobs threads; above 1 the runs share the machine, so their times are contended"""
+    train: TrainArgs = field(default_factory=protocol)
+    """arguments shared by every run (--train.epochs 5 ...); method, density, seed and out-dir are set per run"""
+
+
+def run_name(method, density, seed, suffix=""):
+    return (f"dense-s{seed}" if method == "dense" else f"{method}-d{density}-s{seed}") + suffix
+
+
+def finished(out):
+    """The summary record of a completed run, or None."""
+    try:
+        recs = train.read_log(out)
+    except FileNotFoundError:
+        return None
+    done = [r for r in recs if r["type"] == "summary" and r["step"] >= r["total_steps"]]
+    return done[-1] if done else None
+
+
+def execute(args, threads=None, log_file=None):
+    """One run through train.main, resumed from its checkpoint if it has one. Returns an error or None."""
+    if threads:
+        torch.set_num_threads(threads)
+    ckpt = os.path.join(args.out_dir, "checkpoint.pt")
+    if os.path.exists(ckpt):
+        args = replace(args, resume=ckpt)
+    try:
+        if log_file is None:
+            train.main(args)
+        else:
+            with open(log_file, "a") as f, redirect_stdout(f), redirect_stderr(f):
+                train.main(args)
+    except (Exception, SystemExit) as e:  # one broken run must not end the study
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def run_all(a, runs, desc):
+    """Run every (name, train.Args) not finished yet; returns {name: error} for those that failed."""
+    todo = [(n, r) for n, r in runs if finished(r.out_dir) is None]
+    errors = {}
+    bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc=desc, unit="run", disable=None)
+    if a.jobs == 1:
+        for name, r in todo:
+            bar.set_postfix_str(name)
+            errors[name] = execute(r)
+            bar.update(1)
+    else:
+        logs = os.path.join(a.out, "logs")
+        os.makedirs(logs, exist_ok=True)
+        threads = max(1, (os.cpu_count() or 1) // a.jobs)
+        with cf.ProcessPoolExecutor(a.jobs, mp_context=mp.get_context("spawn")) as pool:
+            futs = {pool.submit(execute, r, threads, os.path.join(logs, name + ".txt")): name for name, r in todo}
+            for fut in cf.as_completed(futs):
+                errors[futs[fut]] = fut.result()
+                bar.update(1)
+    bar.close()
+    return {n: e for n, e in errors.items() if e}
+
+
+def grid(a):
+    for seed in a.seeds:
+        for m in a.methods:
+            for d in ([1.0] if m == "dense" else a.densities):
+                name = run_name(m, d, seed)
+                yield name, replace(a.train, method=m, dense_frac=d, seed=seed, out_dir=os.path.join(a.out, name), resume=None)
+
+
+def equal_time_runs(a, results):
+    """For each method in --equal-time and density: epochs = epochs * (masked's time / its time), means
+    over seeds, decided once and kept in equal_time.json."""
+    path = os.path.join(a.out, "equal_time.json")
+    chosen = json.load(open(path)) if os.path.exists(path) else {}
+    runs = []
+    for m in a.equal_time:
+        for d in a.densities:
+            key = f"{m}-d{d}"
+            if key not in chosen:
+                ref, own = results.get(("masked", d)), results.get((m, d))
+                if not ref or not own or len(ref) < len(a.seeds) or len(own) < len(a.seeds):
+                    continue  # not measured yet (or a run failed)
+                ratio = statistics.mean(r["train_seconds"] for r in ref) / statistics.mean(r["train_seconds"] for r in own)
+                chosen[key] = max(a.train.epochs, round(a.train.epochs * ratio))
+            for seed in a.seeds:
+                name = run_name(m, d, seed, "-eq")
+                runs.append((name, replace(a.train, method=m, dense_frac=d, seed=seed, epochs=chosen[key],
+                                           out_dir=os.path.join(a.out, name), resume=None)))
+    os.makedirs(a.out, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(chosen, f, indent=1)
+    return runs, chosen
+
+
+def collect(a, suffix=""):
+    """{(method, density): [summary per finished seed]}."""
+    res = {}
+    for m in a.methods:
+        for d in ([1.0] if m == "dense" else a.densities):
+            for seed in a.seeds:
+                s = finished(os.path.join(a.out, run_name(m, d, seed, suffix)))
+                if s:
+                    res.setdefault((m, d), []).append({**s, "seed": seed})
+    return res
+
+
+def spread(xs, fmt="{:.4f}"):
+    """'mean (min-max)' of a list."""
+    if not xs:
+        return "-"
+    mean = fmt.format(statistics.mean(xs))
+    return mean if len(xs) == 1 else f"{mean} ({fmt.format(min(xs))}-{fmt.format(max(xs))})"
+
+
+def paired(runs, ref):
+    """Differences of final top-1 to `ref`'s run of the same seed."""
+    by_seed = {r["seed"]: r["final_top1"] for r in ref or []}
+    return [r["final_top1"] - by_seed[r["seed"]] for r in runs if r["seed"] in by_seed]
+
+
+def tables(a, res, eq=None, chosen=None):
+    t = a.train
+    lines = [f"Fashion-MNIST-style study: `{t.model}` on `{t.data}`, {t.epochs} epochs ({t.warmup_epochs} warmup), "
+             f"batch {t.batch_size}, lr {t.lr}, an update every {t.update_every} steps, alpha0 {t.alpha0}; "
+             f"seeds {', '.join(map(str, a.seeds))}; mean (min-max) over seeds; train s = training time without evaluation"
+             + (f"; {a.jobs} runs at a time (times contended)" if a.jobs > 1 else ""), "",
+             "| method | density | final top-1 | best top-1 | vs static, same seed | img/s | train s | seeds |",
+             "|---|---|---|---|---|---|---|---|"]
+    for d in [1.0] + list(a.densities):
+        for m in a.methods:
+            runs = res.get((m, d))
+            if not runs or (m == "dense") != (d == 1.0):
+                continue
+            diff = paired(runs, res.get(("static", d))) if m != "static" and d != 1.0 else []
+            lines.append(f"| {m} | {d} | {spread([r['final_top1'] for r in runs])} | {spread([r['best_top1'] for r in runs])} | "
+                         f"{spread(diff, '{:+.4f}') if diff else '-'} | {spread([r['img_per_s'] for r in runs], '{:.0f}')} | "
+                         f"{spread([r['train_seconds'] for r in runs], '{:.0f}')} | {len(runs)} |")
+    if eq:
+        lines += ["", "Equal wall-clock time: each method trained for as many epochs as fit in the time `masked` took "
+                  "at the same density (same recipe otherwise).", "",
+                  "| density | masked top-1 | masked train s | method | epochs | top-1 at equal time | train s | vs masked, same seed |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for m in a.equal_time:
+            for d in a.densities:
+                runs, ref = eq.get((m, d)), res.get(("masked", d))
+                if not runs or not ref:
+                    continue
+                lines.append(f"| {d} | {spread([r['final_top1'] for r in ref])} | {spread([r['train_seconds'] for r in ref], '{:.0f}')} | "
+                             f"{m} | {chosen[f'{m}-d{d}']} | {spread([r['final_top1'] for r in runs])} | "
+                             f"{spread([r['train_seconds'] for r in runs], '{:.0f}')} | {spread(paired(runs, ref), '{:+.4f}')} |")
+    return "\n".join(lines) + "\n"
+
+
+def curves(a, names):
+    out = {}
+    for name in names:
+        try:
+            out[name] = [r for r in train.read_log(os.path.join(a.out, name)) if r["type"] in ("epoch", "partial-epoch")]
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def validate(a):
+    bad = [m for m in a.methods + a.equal_time if m not in train.METHODS]
+    if bad:
+        raise train.ArgError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(train.METHODS)}")
+    if a.equal_time and "masked" not in a.methods:
+        raise train.ArgError("--equal-time measures against masked: add masked to --methods, or pass --equal-time with no value")
+    if not a.seeds or not a.densities or not a.methods or a.jobs < 1:
+        raise train.ArgError("--methods, --densities and --seeds must not be empty; --jobs must be positive")
+    for d in a.densities:
+        train.validate(replace(a.train, dense_frac=d, out_dir=os.path.join(a.out, "check"), resume=None))
+
+
+def main(a: Args):
+    validate(a)
+    runs = list(grid(a))
+    errors = run_all(a, runs, "study")
+    res, eq, chosen = collect(a), {}, {}
+    if a.equal_time:
+        eq_runs, chosen = equal_time_runs(a, res)
+        errors.update(run_all(a, eq_runs, "equal time"))
+        eq = collect(replace(a, methods=a.equal_time), "-eq")
+        runs += eq_runs
+    text = tables(a, res, eq, chosen)
+    with open(os.path.join(a.out, "results.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(a.out, "curves.json"), "w") as f:
+        json.dump(curves(a, [n for n, _ in runs]), f)
+    print(text)
+    print(f"tables in {os.path.join(a.out, 'results.md')}, per-epoch curves in {os.path.join(a.out, 'curves.json')}")
+    if errors:
+        for n, e in errors.items():
+            print(f"error: run {n} failed: {e}", file=sys.stderr)
+        raise SystemExit(1)
+    return res, eq
+
+
+if __name__ == "__main__":
+    import tyro
+
+    try:
+        main(tyro.cli(Args))
+    except train.ArgError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
