@@ -38,6 +38,8 @@ def uniform(budget, depth):
 # gradient is 1/m of the parent's (its output side was divided by m), so 1st moments / m, 2nd / m^2.
 # On the OUTPUT side every copy sees the parent's gradient: state is copied as it is.
 STATE_POWER = {"exp_avg": 1, "momentum_buffer": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 2}
+FRESH = -1  # a source index that asks for a new unit instead of a copy
+INIT_STD = 0.02  # the ViT's own init of a linear weight (vit.ViT.__init__)
 
 
 @torch.no_grad()
@@ -45,7 +47,13 @@ def resize(model, optimizer, heads, mlp, eps=0.0, generator=None):
     """Rebuild block i with the source units heads[i] / mlp[i] (LongTensors, None = untouched).
     A source that appears m times is split into m copies: input side copied (weights perturbed by
     +-eps*u so that the copies differ but their sum stays the same), output side divided by m.
-    The function is unchanged for eps = 0, and to first order in eps otherwise."""
+    A source FRESH (-1) is a new unit: input weights drawn like the init, input bias and output side
+    zero. The function is unchanged for eps = 0, and to first order in eps otherwise.
+    Optimizer state goes through the same indices (scaled by STATE_POWER on a split's input side);
+    a fresh unit's state is zero but for second moments, which take the mean over the tensor's other
+    units, so that Adam's first steps on it have the usual size (with zero state and the tensor's
+    step count, they would be up to ~6x larger). Returns, per block, which units are new halves or
+    fresh units."""
     where = {}  # id(param) -> (group, position) in the optimizer
     if optimizer is not None:
         for g in optimizer.param_groups:
@@ -65,24 +73,34 @@ def resize(model, optimizer, heads, mlp, eps=0.0, generator=None):
                 continue
             dev = tensors[0][0].weight.device
             idx = torch.as_tensor(idx, dtype=torch.long).to(dev)
-            if idx.ndim != 1 or (idx.numel() and (idx.min() < 0 or idx.max() >= n)):
-                raise ValueError(f"{kind} indices must be a 1-D tensor with values in [0, {n})")
-            m = torch.bincount(idx, minlength=n)[idx].double()  # copies of each new unit's source
-            rank = (idx[:, None] == idx[None, :]).double().tril(-1).sum(1)  # 0 = the parent
+            if idx.ndim != 1 or (idx.numel() and (idx.min() < FRESH or idx.max() >= n)):
+                raise ValueError(f"{kind} indices must be a 1-D tensor with values in [0, {n}) or {FRESH}")
+            new_unit = idx == FRESH
+            src = idx.clamp(min=0)  # a fresh unit gathers unit 0 (if any), then is overwritten
+            m = torch.bincount(idx[~new_unit], minlength=n)[src].double() if n else torch.ones(len(idx), device=dev)
+            m[new_unit] = 1
+            rank = ((idx[:, None] == idx[None, :]) & ~new_unit[:, None]).double().tril(-1).sum(1)  # 0 = the parent
             sign = (m - 1) - 2 * rank  # e.g. +1/-1 for a pair, +2/0/-2 for three: sums to zero
-            fresh[kind].append(m > 1)
+            fresh[kind].append((m > 1) | new_unit)
             for mod, attr, dim, side, seg in tensors:
                 old = getattr(mod, attr)
-                rows = unit_rows(idx, n, w, seg)
+                rows = unit_rows(src, n, w, seg)
                 shape = [1] * old.ndim
                 shape[dim] = -1
+                size = list(old.shape)
+                size[dim] = len(rows)
                 inv_m = per_row(1.0 / m, w, seg).view(shape).to(old.dtype)
+                is_new = per_row(new_unit, w, seg).view(shape)
 
-                def gather(t, power):  # power: how t scales with the input-side split (see above)
-                    out = t.index_select(dim, rows)
-                    return out * inv_m ** power if power else out
+                def gather(t, power, fill):  # power: how t scales with the input-side split (see above)
+                    out = t.index_select(dim, rows) if n else t.new_zeros(size)
+                    out = out * inv_m ** power if power else out
+                    return torch.where(is_new, fill, out) if bool(new_unit.any()) else out
 
-                new = gather(old, 0 if side == "in" else 1)
+                draw = 0.0
+                if side == "in" and attr == "weight" and bool(new_unit.any()):
+                    draw = nn.init.trunc_normal_(torch.empty(size), std=INIT_STD, generator=generator).to(old.device, old.dtype)
+                new = gather(old, 0 if side == "in" else 1, draw)
                 if side == "in" and attr == "weight" and eps > 0 and bool((m > 1).any()):
                     u = torch.randn(old.shape, generator=generator).to(old.device, old.dtype)
                     new += eps * per_row(sign, w, seg).view(shape).to(old.dtype) * u.index_select(dim, rows)
@@ -100,7 +118,9 @@ def resize(model, optimizer, heads, mlp, eps=0.0, generator=None):
                     if torch.is_tensor(v) and v.shape == old.shape:
                         if key not in STATE_POWER:
                             raise RuntimeError(f"don't know how optimizer state {key!r} scales on a split")
-                        remapped[key] = gather(v, STATE_POWER[key] if side == "in" else 0)
+                        second = STATE_POWER[key] == 2
+                        typical = v.mean(dim, keepdim=True) if second and n else 0.0  # for fresh units
+                        remapped[key] = gather(v, STATE_POWER[key] if side == "in" else 0, typical)
                     else:
                         remapped[key] = v  # scalar step and other shape-free entries are kept
                 if remapped:
@@ -206,9 +226,11 @@ def unit_budgets(cfg, dense_frac, head_frac=None, mlp_frac=None):
 class Barter:
     name = "barter"
 
-    def __init__(self, model, schedule, dense_frac=0.1, head_frac=None, mlp_frac=None, eps=1e-3, seed=0):
+    def __init__(self, model, schedule, dense_frac=0.1, head_frac=None, mlp_frac=None, eps=1e-3, seed=0, grow="clone"):
+        if grow not in ("clone", "fresh"):
+            raise ValueError(f"grow must be 'clone' or 'fresh', got {grow!r}")
         self.budget, self.lo, self.hi = unit_budgets(model.cfg, dense_frac, head_frac, mlp_frac)
-        self.model, self.schedule, self.eps = model, schedule, eps
+        self.model, self.schedule, self.eps, self.grow = model, schedule, eps, grow
         self.gen = torch.Generator().manual_seed(seed)
         self.reset_stats()
         self.fresh = {k: [torch.zeros(n, dtype=torch.bool) for n in model.counts(k)] for k in KINDS}
@@ -258,7 +280,7 @@ class Barter:
             plan = []
             for b, n in enumerate(counts):
                 kept = [u for u in range(n) if (b, u) not in pruned]
-                parents = [u for bb, u in G if bb == b]
+                parents = [u if self.grow == "clone" else FRESH for bb, u in G if bb == b]
                 same = len(parents) == 0 and len(kept) == n
                 plan.append(None if same else torch.tensor(kept + parents, dtype=torch.long))
             plans[kind], moved[kind] = plan, len(P)
