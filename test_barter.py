@@ -3,6 +3,7 @@ Tests: CPU only, no network, micro models, a few minutes on 2 cores. Every check
 reference computed here: a hand-written ViT forward with explicit gates, a dense model masked by
 hand, torchvision's VisionTransformer, index arithmetic written out independently of vit.unit_rows.
 """
+import copy
 import json
 import math
 import os
@@ -268,6 +269,51 @@ def test_optimizer_state_remap(opt_name):
     F.cross_entropy(m(x), y).backward()
     opt.step()  # one more step runs on the resized tensors
     assert torch.isfinite(m(x)).all()
+
+
+def test_fresh_units_leave_the_function_and_start_with_typical_adam_scale():
+    m = micro()
+    opt = train.make_optimizer(m, 1e-3, 0.05)
+    x, y = batch()
+    for _ in range(2):
+        opt.zero_grad()
+        F.cross_entropy(m(x), y).backward()
+        opt.step()
+    resize(m, None, [None, None, torch.tensor([], dtype=torch.long)], None)  # block 2 loses its heads
+    opt = train.make_optimizer(m, 1e-3, 0.05)
+    opt.zero_grad()
+    F.cross_entropy(m(x), y).backward()
+    opt.step()
+    pruned = copy.deepcopy(m)  # the same units without the fresh ones
+    resize(pruned, None, [torch.tensor([2, 0]), None, None], [torch.tensor([5, 7]), None, None])
+    blk = m.blocks[0]
+    old = {n: (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}) for n, p in blk.named_parameters()}
+    fresh = resize(m, opt, [torch.tensor([2, -1, 0]), None, torch.tensor([-1])], [torch.tensor([5, -1, -1, 7]), None, None],
+                   generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(m(x), pruned(x), rtol=0, atol=1e-12)  # zero output side: no change of function
+    assert [f.tolist() for f in fresh["heads"] if f is not None] == [[False, True, False], [True]]
+    assert fresh["mlp"][0].tolist() == [False, True, True, False]
+    assert m.counts("heads") == [3, 4, 1] and m.counts("mlp")[0] == 4
+    W, S = old["attn.qkv.weight"]
+    new_rows = [s * 3 * HD + HD + r for s in range(3) for r in range(HD)]  # q, k, v rows of new head 1
+    kept = [s * 3 * HD + j * HD + r for s in range(3) for j in (0, 2) for r in range(HD)]
+    src = [s * 4 * HD + j * HD + r for s in range(3) for j in (2, 0) for r in range(HD)]
+    qkv, st = blk.attn.qkv.weight.detach(), opt.state[blk.attn.qkv.weight]
+    assert torch.equal(qkv[kept], W[src]) and torch.equal(st["exp_avg"][kept], S["exp_avg"][src])
+    assert 0.01 < qkv[new_rows].std() < 0.03 and not blk.attn.qkv.bias[new_rows].any()
+    assert not st["exp_avg"][new_rows].any()
+    torch.testing.assert_close(st["exp_avg_sq"][new_rows], S["exp_avg_sq"].mean(0, keepdim=True).expand(len(new_rows), -1))
+    assert not blk.attn.proj.weight[:, HD:2 * HD].any()
+    torch.testing.assert_close(opt.state[blk.attn.proj.weight]["exp_avg_sq"][:, HD:2 * HD],
+                               old["attn.proj.weight"][1]["exp_avg_sq"].mean(1, keepdim=True).expand(-1, HD))
+    assert not m.blocks[2].attn.proj.weight.any() and m.blocks[2].attn.qkv.weight.abs().sum() > 0  # from 0 units
+    assert m.blocks[2].attn.qkv.weight not in opt.state  # it never had a gradient: Adam starts it afresh
+    W, S = old["mlp.fc2.weight"]
+    assert torch.equal(blk.mlp.fc2.weight[:, [0, 3]].detach(), W[:, [5, 7]]) and not blk.mlp.fc2.weight[:, 1:3].any()
+    opt.zero_grad()
+    F.cross_entropy(m(x), y).backward()
+    opt.step()  # the new units learn: their output side moves off zero
+    assert blk.mlp.fc2.weight[:, 1:3].abs().sum() > 0 and blk.attn.proj.weight[:, HD:2 * HD].abs().sum() > 0
 
 
 # ---- issue 2, test 4: gate-Taylor score == gradient of an explicit gate -----------------------
@@ -680,6 +726,10 @@ def test_bench_smoke_writes_every_field(tmp_path, device):
     assert "micro, density 0.3: MB per image that autograd keeps for backward" in bench.table(saved)
     assert [p.split(",")[0] for p in saved["profiles"]] == ["micro masked d=0.3", "micro barter d=0.3"]
     assert all("aten::" in p for p in saved["profiles"])
+    import plot  # the bench figure, with the memory panel drawn
+
+    shape, colours = decoded(plot.main(plot.Args(paths=(str(out),), out=str(tmp_path / "bench.png"))))
+    assert shape == (int(3.8 * 80), 11 * 80, 3) and colours > 20
 
 
 def test_activation_count_matches_saved_tensor_hooks():
@@ -751,3 +801,229 @@ def test_image_folder_trains_through_main(tmp_path):
     model, _, _ = train.main(a)
     assert model.head.out_features == 3
     assert [r["type"] for r in read_log(a.out_dir)] == ["epoch"]
+
+
+# ---- issue 9: static control, Fashion-MNIST offline, no flipped digits, study.py -------------------
+
+def write_idx(path, t):
+    """A gzipped IDX file of uint8 `t`, as the MNIST release and Debian's package ship them."""
+    import gzip
+
+    head = bytes([0, 0, 8, t.ndim]) + b"".join(int(s).to_bytes(4, "big") for s in t.shape)
+    with gzip.open(path, "wb") as f:
+        f.write(head + t.numpy().tobytes())
+
+
+def debian_like_folder(path, n_train=40, n_test=12):
+    g = torch.Generator().manual_seed(3)
+    os.makedirs(path)
+    sets = {}
+    for train_split, n in ((True, n_train), (False, n_test)):
+        x = torch.randint(0, 256, (n, 28, 28), generator=g, dtype=torch.uint8)
+        y = torch.randint(0, 10, (n,), generator=g, dtype=torch.uint8)
+        for name, t in zip(data.IDX_FILES[train_split], (x, y)):
+            write_idx(os.path.join(path, name), t)
+        sets[train_split] = (x, y)
+    return sets
+
+
+def test_fashion_mnist_is_found_where_the_debian_package_puts_it(tmp_path, monkeypatch):
+    import torchvision.datasets as tvd
+
+    sets = debian_like_folder(tmp_path / "fashion-mnist")
+    monkeypatch.setattr(data, "PACKAGED", {"fashion-mnist": (str(tmp_path / "fashion-mnist"), "dataset-fashion-mnist")})
+
+    def no_download(root, train, download):  # what torchvision does offline when the files are not in root
+        raise (RuntimeError("Dataset not found") if not download else AssertionError("tried to download"))
+
+    monkeypatch.setattr(tvd, "FashionMNIST", no_download)
+    tr, te, info = data.load("fashion-mnist", str(tmp_path / "empty"), 8, "cpu", img_size=28)
+    assert (info.in_chans, info.img_size, info.num_classes) == (1, 28, int(sets[True][1].max()) + 1)
+    assert torch.equal(tr.x[:, 0], sets[True][0]) and torch.equal(te.y, sets[False][1].long())
+    x, y = next(te.epoch(0))
+    assert x.shape == (8, 1, 28, 28)
+    # resized on the device to the model's image size
+    _, te32, info32 = data.load("fashion-mnist", str(tmp_path / "empty"), 8, "cpu", img_size=32)
+    assert next(te32.epoch(0))[0].shape == (8, 1, 32, 32) and info32.img_size == 32
+    # neither there nor downloadable: the error names the package
+    monkeypatch.setattr(data, "PACKAGED", {"fashion-mnist": (str(tmp_path / "nowhere"), "dataset-fashion-mnist")})
+    monkeypatch.setattr(tvd, "FashionMNIST", lambda root, train, download: (_ for _ in ()).throw(OSError("offline")))
+    with pytest.raises(data.DataError, match="apt-get install dataset-fashion-mnist"):
+        data.load("fashion-mnist", str(tmp_path / "empty"), 8, "cpu")
+
+
+def test_corrupt_idx_file_is_a_clear_error(tmp_path):
+    import gzip
+
+    with gzip.open(tmp_path / "bad.gz", "wb") as f:
+        f.write(bytes([0, 0, 8, 1]) + (100).to_bytes(4, "big") + b"short")
+    with pytest.raises(data.DataError, match="truncated"):
+        data.read_idx(str(tmp_path / "bad.gz"))
+
+
+@pytest.mark.parametrize("name, flipped", [("mnist", False), ("fashion-mnist", True)])
+def test_digits_are_never_flipped(monkeypatch, name, flipped):
+    # bright left half, dark right half: a random crop shifts it by at most 4 px, a flip mirrors it
+    x = torch.zeros(256, 1, 28, 28, dtype=torch.uint8)
+    x[..., :14] = 255
+    monkeypatch.setattr(data, "torchvision_set", lambda n, root, train: (x, torch.arange(256) % 10))
+    tr, _, _ = data.load(name, "data", 256, "cpu")
+    b, _ = next(tr.epoch(0))
+    left_brighter = b[..., :8].mean((1, 2, 3)) > b[..., -8:].mean((1, 2, 3))
+    assert bool(left_brighter.all()) != flipped  # fashion-mnist: about half of them flipped
+
+
+def test_failed_data_leaves_no_run_folder(tmp_path, monkeypatch):
+    import torchvision.datasets as tvd
+
+    monkeypatch.setattr(tvd, "CIFAR10", lambda *a, **kw: (_ for _ in ()).throw(OSError("offline")))
+    a = targs(tmp_path, data="cifar10", data_dir=str(tmp_path))
+    with pytest.raises(data.DataError):
+        train.main(a)
+    assert not os.path.exists(a.out_dir)
+
+
+def test_static_trains_with_no_topology_update(tmp_path):
+    repo = os.path.dirname(os.path.abspath(__file__))
+    logs = {}
+    for method in ("static", "barter"):  # barter with the same arguments does move units
+        out = tmp_path / method
+        r = subprocess.run([sys.executable, "train.py", "--method", method, "--model", "micro", "--data", "synthetic",
+                            "--epochs", "1", "--max-steps", "30", "--update-every", "10", "--warmup-epochs", "0",
+                            "--batch-size", "64", "--dense-frac", "0.3", "--device", "cpu", "--out-dir", str(out)],
+                           capture_output=True, text=True, cwd=repo)
+        assert r.returncode == 0, r.stderr
+        logs[method] = read_log(out)
+    assert not [r for r in logs["static"] if r["type"] == "update"]
+    assert [r["step"] for r in logs["barter"] if r["type"] == "update"] == [10, 20, 30]
+    start, summary = logs["static"][0], logs["static"][-1]
+    assert start["type"] == "start" and summary["type"] == "summary"
+    assert summary["counts"] == start["counts"] == {"heads": [2, 1, 1], "mlp": [20, 19, 19]}
+
+
+def study_args(tmp_path, **kw):
+    import study
+
+    base = dict(methods=("static", "masked"), densities=(0.3,), seeds=(0, 1), equal_time=("static",),
+                out=str(tmp_path / "study"),
+                train=targs(tmp_path, batch_size=500, epochs=2, update_every=4))  # 10 steps an epoch
+    return study.Args(**{**base, **kw})
+
+
+def test_study_table_resume_and_equal_time(tmp_path, monkeypatch):
+    import study
+
+    a = study_args(tmp_path)
+    # an interrupted run: 7 of its 20 steps done, a checkpoint left behind
+    part = os.path.join(a.out, "masked-d0.3-s1")
+    train.main(replace(a.train, method="masked", dense_frac=0.3, seed=1, out_dir=part, max_steps=7))
+    res, eq = study.main(a)
+    text = open(os.path.join(a.out, "results.md")).read()
+    assert "| static | 0.3 |" in text and "| masked | 0.3 |" in text and "| 0.3 |" in text.split("Equal wall-clock")[1]
+    assert [len(res[("static", 0.3)]), len(res[("masked", 0.3)]), len(eq[("static", 0.3)])] == [2, 2, 2]
+    log = read_log(part)
+    assert [r["type"] for r in log].count("start") == 1 and log[-1]["step"] == 20  # resumed, not restarted
+    epochs = json.load(open(os.path.join(a.out, "equal_time.json")))["static-d0.3"]
+    assert epochs >= 2 and all(r["step"] == 10 * epochs for r in eq[("static", 0.3)])
+    curves = json.load(open(os.path.join(a.out, "curves.json")))
+    assert len(curves["static-d0.3-s0"]) == 2 and "test_top1" in curves["static-d0.3-s0"][0]
+    # a second start runs nothing: every run is finished
+    calls = []
+    monkeypatch.setattr(train, "main", lambda args: calls.append(args))
+    study.main(a)
+    assert calls == []
+
+
+def test_study_bad_arguments(tmp_path):
+    import study
+
+    with pytest.raises(train.ArgError, match="unknown method"):
+        study.main(study_args(tmp_path, methods=("static", "magic")))
+    with pytest.raises(train.ArgError, match="add masked"):
+        study.main(study_args(tmp_path, methods=("static",)))
+    assert not os.path.exists(tmp_path / "study")
+
+
+# ---- issue 12: plot.py and the end-of-run summary ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("plot")
+    outs = []
+    for method in ("barter", "masked"):
+        a = targs(tmp, method=method, epochs=2, update_every=15, out_dir=str(tmp / method))
+        train.main(a)
+        outs.append(a.out_dir)
+    return tmp, outs
+
+
+def decoded(path):
+    """(H, W, channels) of a PNG and how many distinct colours it holds."""
+    import numpy as np
+    from PIL import Image
+
+    img = np.asarray(Image.open(path).convert("RGB"))
+    return img.shape, len(np.unique(img.reshape(-1, 3), axis=0))
+
+
+def test_plot_runs_writes_a_real_picture(two_runs):
+    import plot
+
+    tmp, outs = two_runs
+    png = plot.main(plot.Args(paths=tuple(outs), out=str(tmp / "runs.png")))
+    shape, colours = decoded(png)
+    rows = 2 + 2  # one allocation map per barter/masked run, then curves, then bars
+    assert shape == (int(3.2 * rows * 80), 12 * 80, 3) and colours > 50
+
+
+def test_allocation_map_data_equals_the_update_records(two_runs):
+    import plot
+
+    _, outs = two_runs
+    recs = read_log(outs[0])
+    steps, counts = plot.allocation(recs)
+    ups = [r for r in recs if r["type"] == "update"]
+    assert steps == [0] + [r["step"] for r in ups] and len(ups) >= 5
+    for kind in ("heads", "mlp"):
+        assert counts[kind] == [recs[0]["counts"][kind]] + [r["counts"][kind] for r in ups]
+    assert counts["mlp"][0] == [20, 19, 19] and any(c != counts["mlp"][0] for c in counts["mlp"])
+
+
+def test_plot_bench_and_bad_inputs(two_runs, tmp_path):
+    import bench
+
+    tmp, outs = two_runs
+    res = bench.main(bench.Args(models=("micro",), densities=(0.3, 0.5), steps=1, rounds=1, warmup=0,
+                                device="cpu", memory=False, out=str(tmp_path / "bench.json")))
+    assert {r["method"] for r in res["rows"]} == {"dense", "masked", "rigl", "barter"}
+    repo = os.path.dirname(os.path.abspath(__file__))
+
+    def plot(*paths):
+        return subprocess.run([sys.executable, "plot.py", *map(str, paths)], capture_output=True, text=True, cwd=repo)
+
+    r = plot(tmp_path / "bench.json", "-o", tmp_path / "bench.png")
+    assert r.returncode == 0, r.stderr
+    shape, colours = decoded(tmp_path / "bench.png")
+    assert shape == (int(3.8 * 80), 11 * 80, 3) and colours > 20
+    # a run still in its first epoch: what it has is plotted
+    young = tmp_path / "young"
+    young.mkdir()
+    with open(young / "log.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in read_log(outs[0]) if r["type"] in ("start", "update"))
+    assert plot(young).returncode == 0 and (young / "runs.png").exists()
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notbench.json").write_text('{"hello": 1}')
+    for bad, says in ((tmp_path / "empty", "no log.jsonl"), (tmp_path / "notbench.json", "not a bench.py result"),
+                      (tmp_path / "missing", "is not a folder")):
+        r = plot(bad)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr and "Traceback" not in r.stderr
+
+
+def test_run_ends_with_a_summary(two_runs):
+    _, outs = two_runs
+    recs = read_log(outs[0])
+    s, ep = recs[-1], [r for r in recs if r["type"] == "epoch"]
+    assert s["type"] == "summary" and s["step"] == s["total_steps"] == 156
+    assert s["final_top1"] == ep[-1]["test_top1"] and s["best_top1"] == max(r["test_top1"] for r in ep)
+    assert s["train_seconds"] == pytest.approx(sum(r["seconds"] for r in ep))
+    assert s["counts"] == [r for r in recs if r["type"] == "update"][-1]["counts"]
