@@ -11,6 +11,8 @@ Tensor layout that everything else relies on (resize, masks, statistics):
 A head or channel is a "unit". Its INPUT side (qkv rows / fc1 row) computes it, its OUTPUT side
 (proj columns / fc2 column) reads it. attn.proj.bias and mlp.fc2.bias belong to no unit.
 """
+import math
+import os
 import warnings
 from dataclasses import dataclass, replace
 
@@ -200,12 +202,19 @@ class ViT(nn.Module):
                 nn.init.trunc_normal_(m.weight, std=0.02)
                 nn.init.zeros_(m.bias)
 
-    def forward(self, img):
+    def trunk(self, img):
         x = self.patch_embed(img).flatten(2).transpose(1, 2)  # (B, N, D)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
         for blk in self.blocks:
             x = blk(x)
-        return norm_linear(x[:, 0], self.norm, self.head)  # (B, classes): only the class token is read
+        return x[:, 0]  # (B, D): only the class token is read
+
+    def features(self, img):
+        """What the classifier head reads: the normalised class token (B, D)."""
+        return F.layer_norm(self.trunk(img), self.norm.normalized_shape, self.norm.weight, self.norm.bias, self.norm.eps)
+
+    def forward(self, img):
+        return norm_linear(self.trunk(img), self.norm, self.head)  # (B, classes)
 
     def counts(self, kind):
         return [b.units(kind)[0] for b in self.blocks]
@@ -221,31 +230,138 @@ class ViT(nn.Module):
         return total
 
 
-def from_torchvision(tv_model):
-    """Our ViT holding the weights of a torchvision VisionTransformer (same logits, eval mode)."""
-    sd = tv_model.state_dict()
-    D = tv_model.hidden_dim
-    cfg = ViTConfig(img_size=tv_model.image_size, patch_size=tv_model.patch_size,
-                    in_chans=tv_model.conv_proj.in_channels, num_classes=sd["heads.head.weight"].shape[0],
-                    dim=D, depth=len(tv_model.encoder.layers), num_heads=tv_model.encoder.layers[0].num_heads,
-                    mlp_ratio=tv_model.mlp_dim / D)
+# ---- weights from elsewhere: torchvision, timm / DeiT, this project's checkpoints -------------------
+
+CKPT_FORMAT = "barter-reference-checkpoint-v1"  # train.py's checkpoints
+# no weights file stores the head count (qkv is (3D, D) whatever it is): the families' own values,
+# else the usual 64 channels per head
+HEADS_BY_WIDTH = {192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16}
+KINDS_ACCEPTED = ("a torchvision VisionTransformer state dict, a timm/DeiT ViT state dict (or {'model': ...}), "
+                  "a checkpoint of this project, or torchvision:NAME (e.g. torchvision:vit_b_16)")
+
+
+class WeightsError(ValueError):
+    pass
+
+
+def torchvision_keys(sd):
+    """A torchvision VisionTransformer state dict under our names (nn.MultiheadAttention's in_proj is
+    [q | k | v] with heads contiguous: our qkv layout)."""
     if "heads.pre_logits.weight" in sd:
-        raise ValueError("torchvision ViT with representation_size (pre_logits) is not supported")
+        raise WeightsError("torchvision ViT with representation_size (pre_logits) is not supported")
     ours = {"patch_embed.weight": sd["conv_proj.weight"], "patch_embed.bias": sd["conv_proj.bias"],
             "cls_token": sd["class_token"], "pos_embed": sd["encoder.pos_embedding"],
             "norm.weight": sd["encoder.ln.weight"], "norm.bias": sd["encoder.ln.bias"],
             "head.weight": sd["heads.head.weight"], "head.bias": sd["heads.head.bias"]}
-    for i in range(cfg.depth):
+    depth = len({k.split(".")[2] for k in sd if k.startswith("encoder.layers.")})
+    for i in range(depth):
         p, q = f"encoder.layers.encoder_layer_{i}.", f"blocks.{i}."
-        # nn.MultiheadAttention's in_proj is [q | k | v] with heads contiguous: our qkv layout
         for a, b in [("ln_1", "norm1"), ("ln_2", "norm2"), ("self_attention.out_proj", "attn.proj"),
                      ("mlp.0", "mlp.fc1"), ("mlp.3", "mlp.fc2")]:
             ours[q + b + ".weight"], ours[q + b + ".bias"] = sd[p + a + ".weight"], sd[p + a + ".bias"]
         ours[q + "attn.qkv.weight"] = sd[p + "self_attention.in_proj_weight"]
         ours[q + "attn.qkv.bias"] = sd[p + "self_attention.in_proj_bias"]
-    model = ViT(cfg).to(sd["class_token"].dtype)
-    model.load_state_dict(ours)
+    return ours
+
+
+def timm_keys(sd):
+    """A timm VisionTransformer (DeiT) state dict under our names: the same but for patch_embed.proj."""
+    unsupported = {"dist_token": "distilled DeiT (dist_token)", "fc_norm.weight": "average pooling (fc_norm)",
+                   "blocks.0.ls1.gamma": "LayerScale", "reg_token": "register tokens", "norm_pre.weight": "a pre-norm"}
+    for key, what in unsupported.items():
+        if key in sd:
+            raise WeightsError(f"timm ViT with {what} is not supported")
+    ours = {k.replace("patch_embed.proj.", "patch_embed."): v for k, v in sd.items()}
+    for k in [k for k in ours if k.endswith("attn.proj.weight")]:  # a timm ViT may have no qkv bias
+        ours.setdefault(k.replace("proj.weight", "qkv.bias"), ours[k].new_zeros(3 * ours[k].shape[0]))
+    return ours
+
+
+def config_of(sd, num_heads=None):
+    """ViTConfig of a dense state dict in our names (shapes only; the head count as above)."""
+    D = sd["cls_token"].shape[-1]
+    patch, in_chans = sd["patch_embed.weight"].shape[-1], sd["patch_embed.weight"].shape[1]
+    grid = math.isqrt(sd["pos_embed"].shape[1] - 1)
+    return ViTConfig(img_size=grid * patch, patch_size=patch, in_chans=in_chans, num_classes=sd["head.weight"].shape[0],
+                     dim=D, depth=len([k for k in sd if k.endswith("attn.qkv.weight")]),
+                     num_heads=num_heads or HEADS_BY_WIDTH.get(D, max(1, D // 64)),
+                     mlp_ratio=sd["blocks.0.mlp.fc1.weight"].shape[0] / D)
+
+
+def dense_from(sd, num_heads=None):
+    cfg = config_of(sd, num_heads)
+    if cfg.dim % cfg.num_heads:
+        raise WeightsError(f"width {cfg.dim} does not split into {cfg.num_heads} heads")
+    model = ViT(cfg).to(sd["cls_token"].dtype)
+    model.load_state_dict(sd)
     return model
+
+
+def from_torchvision(tv_model):
+    """Our ViT holding the weights of a torchvision VisionTransformer (same logits, eval mode)."""
+    return dense_from(torchvision_keys(tv_model.state_dict()), tv_model.encoder.layers[0].num_heads)
+
+
+def from_checkpoint(ckpt):
+    """The trained model of one of train.py's checkpoints, with its per-block shapes."""
+    model = ViT(ViTConfig(**ckpt["cfg"]), heads=ckpt["heads"], mlp=ckpt["mlp"])
+    sd = {k.replace(".parametrizations.", ".").replace(".original", ""): v for k, v in ckpt["model"].items()}
+    model.load_state_dict(sd, strict=True)  # a masked run's weights are dense with zeros where masked
+    return model
+
+
+def read(path):
+    """torch.load a weights file, or fail with one line."""
+    if not os.path.isfile(path):
+        raise WeightsError(f"{path!r}: no such file")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise WeightsError(f"{path!r} is not a readable torch file ({type(e).__name__})") from None
+
+
+def load(path):
+    """A model trained by train.py, rebuilt with its per-block shapes from its checkpoint, in eval mode."""
+    ckpt = read(path)
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
+        raise WeightsError(f"{path!r} is not a checkpoint of this project")
+    return from_checkpoint(ckpt).eval()
+
+
+def load_pretrained(source, num_heads=None):
+    """(model, kind) from a weights file of any kind in KINDS_ACCEPTED, told apart by its keys.
+    num_heads: heads per block of a torchvision or timm state dict (None: see HEADS_BY_WIDTH)."""
+    if source.startswith("torchvision:"):
+        import torchvision.models as tvm
+
+        name = source.split(":", 1)[1]
+        try:
+            weights = tvm.get_model_weights(name).DEFAULT
+            tv = tvm.get_model(name, weights=weights)
+        except Exception as e:  # an unknown name, no network...
+            raise WeightsError(f"could not get {source} through torchvision ({type(e).__name__}: {e}); "
+                               f"download the weights file where there is network and pass its path") from None
+        return from_torchvision(tv), "torchvision"
+    obj = read(source)
+    if isinstance(obj, dict) and obj.get("format") == CKPT_FORMAT:
+        return from_checkpoint(obj), "checkpoint"
+    sd = obj.get("model", obj.get("state_dict", obj)) if isinstance(obj, dict) else None
+    if isinstance(sd, dict) and "conv_proj.weight" in sd and "encoder.pos_embedding" in sd:
+        return dense_from(torchvision_keys(sd), num_heads), "torchvision"
+    if isinstance(sd, dict) and "patch_embed.proj.weight" in sd and "blocks.0.attn.qkv.weight" in sd:
+        return dense_from(timm_keys(sd), num_heads), "timm"
+    raise WeightsError(f"{source!r} holds no weights of a kind this project reads; accepted: {KINDS_ACCEPTED}")
+
+
+def resample_pos_embed(pos, grid):
+    """Position embedding (1, 1 + g*g, D) resampled to a grid x grid patch grid: bicubic, class token
+    kept, as timm's resample_abs_pos_embed does."""
+    old = math.isqrt(pos.shape[1] - 1)
+    if old == grid:
+        return pos
+    cls, rest = pos[:, :1], pos[:, 1:].float().reshape(1, old, old, -1).permute(0, 3, 1, 2)
+    rest = F.interpolate(rest, size=(grid, grid), mode="bicubic", antialias=True, align_corners=False)
+    return torch.cat([cls, rest.permute(0, 2, 3, 1).reshape(1, grid * grid, -1).to(pos.dtype)], dim=1)
 
 
 def preset(name, **overrides):
