@@ -111,11 +111,15 @@ def torchvision_set(name, root, train):
 
 
 class TensorLoader:
-    """Batches from uint8 images held on `device`; augmentation on the device."""
+    """Batches from uint8 images held on `device`; augmentation on the device. Under DDP (world > 1)
+    every rank walks the same permutation and takes its slice of each global batch, augmented with the
+    draws a single process would make for those images."""
 
-    def __init__(self, x, y, batch_size, train, mean, std, seed=0, device="cpu", img_size=None, flip=True, augment=True):
+    def __init__(self, x, y, batch_size, train, mean, std, seed=0, device="cpu", img_size=None, flip=True, augment=True,
+                 rank=0, world=1):
         self.x, self.y = x.to(device), y.to(device)
         self.batch_size, self.train, self.seed, self.device = batch_size, train, seed, device
+        self.rank, self.world = rank, world
         self.img_size, self.flip, self.aug = img_size or x.shape[-1], flip, augment
         self.mean = mean.view(1, -1, 1, 1).to(device)
         self.std = std.view(1, -1, 1, 1).to(device)
@@ -131,18 +135,24 @@ class TensorLoader:
         if self.train:
             order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 100003 + epoch))
         for b in range(start, len(self)):
-            idx = order[b * B:(b + 1) * B].to(self.device)
+            whole = order[b * B:(b + 1) * B]
+            part = torch.arange(len(whole)).tensor_split(self.world)[self.rank]  # this rank's slice
+            if len(part) == 0:  # the last evaluation batch may hold fewer images than ranks
+                continue
+            idx = whole[part].to(self.device)
             x = self.x[idx].float().div_(255)
             if x.shape[-2:] != (self.img_size, self.img_size):  # to the model's size, on the device
                 x = F.interpolate(x, size=(self.img_size, self.img_size), mode="bilinear", antialias=True)
             if self.train and self.aug:
-                x = self.augment(x, torch.Generator().manual_seed((self.seed * 100003 + epoch) * 100003 + b))
+                g = torch.Generator().manual_seed((self.seed * 100003 + epoch) * 100003 + b)
+                x = self.augment(x, g, len(whole), part)
             yield (x - self.mean) / self.std, self.y[idx]
 
-    def augment(self, x, g):
+    def augment(self, x, g, n, part):
+        """Random crop and flip of images `part` of a batch of n (the draws are made for all n)."""
         B, C, H, W = x.shape
-        dy, dx = (torch.randint(0, 9, (2, B), generator=g)).to(x.device)
-        flip = (torch.rand(B, generator=g) < 0.5).to(x.device) & self.flip
+        dy, dx = torch.randint(0, 9, (2, n), generator=g)[:, part].to(x.device)
+        flip = (torch.rand(n, generator=g) < 0.5)[part].to(x.device) & self.flip
         xp = F.pad(x, (4, 4, 4, 4))
         rows = (dy[:, None] + torch.arange(H, device=x.device))[:, None, :, None]
         cols = (dx[:, None] + torch.arange(W, device=x.device))[:, None, None, :]
@@ -153,7 +163,7 @@ class TensorLoader:
 class FolderLoader:
     """An ImageNet-layout folder (train/ and val/, one subfolder per class) through a DataLoader."""
 
-    def __init__(self, root, img_size, batch_size, train, seed=0, workers=8, device="cpu", augment=True):
+    def __init__(self, root, img_size, batch_size, train, seed=0, workers=8, device="cpu", augment=True, rank=0, world=1):
         import torchvision.datasets as tvd
         import torchvision.transforms as T
 
@@ -162,16 +172,22 @@ class FolderLoader:
               if train and augment else T.Compose([T.Resize(int(img_size * 8 / 7)), T.CenterCrop(img_size), T.ToTensor(), T.Normalize(mean, std)]))
         self.ds = tvd.ImageFolder(os.path.join(root, "train" if train else "val"), transform=tf)
         self.batch_size, self.train, self.seed, self.workers = batch_size, train, seed, workers
-        self.device = torch.device(device)
+        self.device, self.rank, self.world = torch.device(device), rank, world
 
     def __len__(self):
-        n = len(self.ds)
-        return n // self.batch_size if self.train else -(-n // self.batch_size)
+        n = -(-len(self.ds) // self.world) if self.world > 1 else len(self.ds)  # per rank
+        b = self.batch_size // self.world
+        return n // b if self.train else -(-n // b)
 
     def epoch(self, epoch, start=0):
         g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
-        dl = torch.utils.data.DataLoader(self.ds, self.batch_size, shuffle=self.train, drop_last=self.train,
-                                         generator=g, num_workers=self.workers,
+        sampler = None
+        if self.world > 1:  # a disjoint share of the (epoch-seeded) shuffled set per rank
+            sampler = torch.utils.data.DistributedSampler(self.ds, self.world, self.rank, shuffle=self.train,
+                                                          seed=self.seed, drop_last=self.train)
+            sampler.set_epoch(epoch)
+        dl = torch.utils.data.DataLoader(self.ds, self.batch_size // self.world, shuffle=self.train and sampler is None,
+                                         sampler=sampler, drop_last=self.train, generator=g, num_workers=self.workers,
                                          pin_memory=self.device.type == "cuda")
         for b, (x, y) in enumerate(dl):
             if b >= start:  # worker-side augmentation is not replayed exactly after a resume
@@ -187,9 +203,10 @@ def folder_problem(root):
     return None
 
 
-def load(name, data_dir, batch_size, device, img_size=None, seed=0, workers=8, augment=True):
+def load(name, data_dir, batch_size, device, img_size=None, seed=0, workers=8, augment=True, rank=0, world=1):
     """(train loader, test loader, DataInfo). Images come out at `img_size` px (None: the set's own
-    size; 224 for an image folder); training images augmented unless `augment` is False."""
+    size; 224 for an image folder); training images augmented unless `augment` is False. With world > 1
+    each rank gets its share of every global batch of `batch_size`."""
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
     if name == "folder":
@@ -197,8 +214,8 @@ def load(name, data_dir, batch_size, device, img_size=None, seed=0, workers=8, a
         if problem:
             raise FileNotFoundError(f"--data folder: {problem}")
         img_size = img_size or 224
-        tr = FolderLoader(data_dir, img_size, batch_size, True, seed, workers, device, augment)
-        te = FolderLoader(data_dir, img_size, batch_size, False, seed, workers, device)
+        tr = FolderLoader(data_dir, img_size, batch_size, True, seed, workers, device, augment, rank, world)
+        te = FolderLoader(data_dir, img_size, batch_size, False, seed, workers, device, False, rank, world)
         return tr, te, DataInfo(3, img_size, len(tr.ds.classes))
     if name == "synthetic":
         (xtr, ytr), (xte, yte) = synthetic_set()
@@ -208,5 +225,5 @@ def load(name, data_dir, batch_size, device, img_size=None, seed=0, workers=8, a
     mean, std = xf.mean((0, 2, 3)), xf.std((0, 2, 3))
     info = DataInfo(xtr.shape[1], img_size or xtr.shape[-1], int(ytr.max()) + 1)
     flip = name not in NO_FLIP
-    return (TensorLoader(xtr, ytr, batch_size, True, mean, std, seed, device, info.img_size, flip, augment),
-            TensorLoader(xte, yte, batch_size, False, mean, std, seed, device, info.img_size, flip), info)
+    return (TensorLoader(xtr, ytr, batch_size, True, mean, std, seed, device, info.img_size, flip, augment, rank, world),
+            TensorLoader(xte, yte, batch_size, False, mean, std, seed, device, info.img_size, flip, False, rank, world), info)
