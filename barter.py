@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from vit import leaf, per_row, unit_rows  # the unit layout lives next to the model
@@ -31,6 +32,15 @@ def uniform(budget, depth):
     return counts
 
 
+def all_mean(t):
+    """t averaged over the ranks of a torchrun job, in place (t itself in a single process). Every
+    topology decision is made from numbers that went through here, so every rank makes the same one."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)  # a sum: gloo has no average
+        t /= dist.get_world_size()
+    return t
+
+
 # ----------------------------------------------------------------------------------------------
 # resize: gather units of every block, parameters and optimizer state through the same indices
 
@@ -38,6 +48,7 @@ def uniform(budget, depth):
 # gradient is 1/m of the parent's (its output side was divided by m), so 1st moments / m, 2nd / m^2.
 # On the OUTPUT side every copy sees the parent's gradient: state is copied as it is.
 STATE_POWER = {"exp_avg": 1, "momentum_buffer": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 2}
+EPS_RELATIVE = False
 FRESH = -1  # a source index that asks for a new unit instead of a copy
 INIT_STD = 0.02  # the ViT's own init of a linear weight (vit.ViT.__init__)
 
@@ -103,6 +114,8 @@ def resize(model, optimizer, heads, mlp, eps=0.0, generator=None):
                 new = gather(old, 0 if side == "in" else 1, draw)
                 if side == "in" and attr == "weight" and eps > 0 and bool((m > 1).any()):
                     u = torch.randn(old.shape, generator=generator).to(old.device, old.dtype)
+                    if EPS_RELATIVE:  # EXPERIMENT: eps in units of each row's RMS
+                        u = u * old.pow(2).mean(1 - dim, keepdim=True).sqrt()
                     new += eps * per_row(sign, w, seg).view(shape).to(old.dtype) * u.index_select(dim, rows)
                 new = nn.Parameter(new, requires_grad=old.requires_grad)
                 setattr(mod, attr, new)
@@ -143,18 +156,24 @@ def check_optimizer(model, optimizer):
 # ----------------------------------------------------------------------------------------------
 # statistics, schedule, selection
 
-def taylor_scores(model, kind):
+def taylor_scores(model, kind, means=None):
     """Per block, t_u = sum over the unit's output-side weights of W * dL/dW: exactly dL/dgate of a
-    gate multiplied into that unit's output. Units with no gradient yet score 0."""
+    gate multiplied into that unit's output. Units with no gradient yet score 0.
+    With means[i] (the batch mean of block i's unit outputs, one value per output-side column), the
+    gate replaces the unit's output by its mean instead of zero (mean replacement, Evci et al. 2018):
+    t_u - sum over u's columns c of mean_c * (W[:, c] . dL/dbias), the bias that the mean goes into."""
     out = []
-    for blk in model.blocks:
+    for i, blk in enumerate(model.blocks):
         n, w, tensors = blk.units(kind)
         mod, attr, dim, _, _ = next(t for t in tensors if t[3] == "out")
         W = leaf(mod, attr)
         if n == 0 or W.grad is None:
             out.append(torch.zeros(n, device=W.device))
             continue
-        out.append((W * W.grad).float().sum(1 - dim).view(n, w).sum(1))  # (n,)
+        per_col = (W * W.grad).float().sum(1 - dim)  # (n*w,)
+        if means is not None and means[i] is not None and mod.bias.grad is not None:
+            per_col = per_col - means[i] * (W.float().T @ mod.bias.grad.float())
+        out.append(per_col.view(n, w).sum(1))  # (n,)
     return out
 
 
@@ -226,19 +245,33 @@ def unit_budgets(cfg, dense_frac, head_frac=None, mlp_frac=None):
 class Barter:
     name = "barter"
 
-    def __init__(self, model, schedule, dense_frac=0.1, head_frac=None, mlp_frac=None, eps=1e-3, seed=0, grow="clone"):
+    def __init__(self, model, schedule, dense_frac=0.1, head_frac=None, mlp_frac=None, eps=1e-3, seed=0, grow="clone",
+                 mean_replace=False, k_floor=False):
         if grow not in ("clone", "fresh"):
             raise ValueError(f"grow must be 'clone' or 'fresh', got {grow!r}")
         self.budget, self.lo, self.hi = unit_budgets(model.cfg, dense_frac, head_frac, mlp_frac)
         self.model, self.schedule, self.eps, self.grow = model, schedule, eps, grow
+        self.mean_replace, self.k_floor = mean_replace, k_floor
         self.gen = torch.Generator().manual_seed(seed)
         self.reset_stats()
         self.fresh = {k: [torch.zeros(n, dtype=torch.bool) for n in model.counts(k)] for k in KINDS}
+        if mean_replace:  # the mean output of every unit, read where the output side reads it
+            for i, blk in enumerate(model.blocks):
+                for kind, mod in (("heads", blk.attn.proj), ("mlp", blk.mlp.fc2)):
+                    mod.register_forward_pre_hook(self.mean_hook(kind, i))
 
-    def init_model(self):
-        """Fresh run: keep the first units of a dense init, uniform over depth (the masked baseline
-        keeps the same units, so both start from the identical function)."""
-        plan = {k: [torch.arange(n) for n in uniform(self.budget[k], self.model.cfg.depth)] for k in KINDS}
+    def mean_hook(self, kind, i):
+        def hook(mod, inputs):
+            if mod.training and torch.is_grad_enabled():
+                x = inputs[0].detach()
+                self.batch_mean[kind][i] = x.reshape(-1, x.shape[-1]).mean(0).float()  # one per input column
+        return hook
+
+    def init_model(self, keep=None):
+        """Slice the dense model to the units `keep` ({kind: [indices per block]}; default: the first
+        units of a dense init, uniform over depth). The masked baseline keeps the same units, so both
+        start from the identical function."""
+        plan = keep or {k: [torch.arange(n) for n in uniform(self.budget[k], self.model.cfg.depth)] for k in KINDS}
         resize(self.model, None, plan["heads"], plan["mlp"])
         self.fresh = {k: [torch.zeros(n, dtype=torch.bool) for n in self.model.counts(k)] for k in KINDS}
         self.reset_stats()
@@ -246,6 +279,8 @@ class Barter:
 
     def reset_stats(self):
         self.acc = {k: [None] * self.model.cfg.depth for k in KINDS}
+        self.mean_acc = {k: [None] * self.model.cfg.depth for k in KINDS}
+        self.batch_mean = {k: [None] * self.model.cfg.depth for k in KINDS}
         self.nacc = 0
 
     def before_forward(self, t):
@@ -255,9 +290,13 @@ class Barter:
     def after_backward(self, optimizer, t):
         """Accumulate |gate-Taylor| of the active units (one multiply-reduce per block)."""
         for kind in KINDS:
-            for i, s in enumerate(taylor_scores(self.model, kind)):
+            means = self.batch_mean[kind] if self.mean_replace else None
+            for i, s in enumerate(taylor_scores(self.model, kind, means)):
                 a = self.acc[kind][i]
                 self.acc[kind][i] = s.abs() if a is None else a + s.abs()
+                if means is not None and means[i] is not None:
+                    m = self.mean_acc[kind][i]
+                    self.mean_acc[kind][i] = means[i] if m is None else m + means[i]
         self.nacc += 1
 
     def after_step(self, optimizer, t):
@@ -269,8 +308,8 @@ class Barter:
         alpha, plans, moved = self.schedule.alpha(t), {}, {}
         for kind in KINDS:
             counts = self.model.counts(kind)
-            k = round_half_up(alpha * self.budget[kind])
-            scores = [(a / max(self.nacc, 1)).cpu().tolist() if a is not None else [0.0] * n
+            k = math.floor(alpha * self.budget[kind] + 1e-9) if self.k_floor else round_half_up(alpha * self.budget[kind])
+            scores = [(all_mean(a) / max(self.nacc, 1)).cpu().tolist() if a is not None else [0.0] * n
                       for a, n in zip(self.acc[kind], counts)]
             active = [(s, b, u) for b, sb in enumerate(scores) for u, s in enumerate(sb)]
             exempt = {(b, u) for b, f in enumerate(self.fresh[kind]) for u in f.nonzero().flatten().tolist()}
@@ -284,6 +323,8 @@ class Barter:
                 same = len(parents) == 0 and len(kept) == n
                 plan.append(None if same else torch.tensor(kept + parents, dtype=torch.long))
             plans[kind], moved[kind] = plan, len(P)
+            if self.mean_replace:
+                self.fold_means(kind, P)
         fresh = resize(self.model, optimizer, plans["heads"], plans["mlp"], self.eps, self.gen)
         for kind in KINDS:
             self.fresh[kind] = [f.cpu() if f is not None else torch.zeros(n, dtype=torch.bool)
@@ -292,6 +333,16 @@ class Barter:
         self.check()
         return {"step": t, "alpha": round(alpha, 4), "moved": moved,
                 "counts": {k: self.model.counts(k) for k in KINDS}, "seconds": time.perf_counter() - t0}
+
+    def fold_means(self, kind, pruned):
+        """A pruned unit leaves its mean output behind in the output-side bias."""
+        for b, u in pruned:
+            n, w, tensors = self.model.blocks[b].units(kind)
+            mod, attr, dim, _, _ = next(t for t in tensors if t[3] == "out")
+            mean = self.mean_acc[kind][b]
+            if mean is not None:
+                cols = torch.arange(u * w, (u + 1) * w, device=mean.device)
+                mod.bias.add_((getattr(mod, attr)[:, cols].float() @ (mean[cols] / self.nacc)).to(mod.bias.dtype))
 
     def check(self):
         for kind in KINDS:
@@ -314,6 +365,70 @@ class Barter:
         self.nacc, self.fresh = sd["nacc"], sd["fresh"]
         self.gen.set_state(sd["gen"])
         self.check()
+
+
+# ----------------------------------------------------------------------------------------------
+# fine-tuning: which units of a dense pretrained model to keep (a one-time dense cost)
+
+def score_units(model, batches, loss_of):
+    """Mean over batches of |gate-Taylor| of every unit of a (dense) model: BARTER's own statistic.
+    loss_of(x, y) runs the model and returns the loss."""
+    acc, n = {k: None for k in KINDS}, 0
+    for x, y in batches:
+        model.zero_grad(set_to_none=True)
+        loss_of(x, y).backward()
+        for kind in KINDS:
+            with torch.no_grad():
+                s = [t.abs() for t in taylor_scores(model, kind)]
+            acc[kind] = s if acc[kind] is None else [a + b for a, b in zip(acc[kind], s)]
+        n += 1
+    model.zero_grad(set_to_none=True)
+    return {k: [a / max(n, 1) for a in v] for k, v in acc.items()}
+
+
+def magnitude_scores(model):
+    """The L2 norm of every weight a unit owns (input and output side)."""
+    out = {}
+    for kind in KINDS:
+        out[kind] = []
+        for blk in model.blocks:
+            n, w, tensors = blk.units(kind)
+            sq = 0
+            for mod, attr, dim, side, seg in tensors:
+                W = leaf(mod, attr).detach().float()
+                rows = W.pow(2) if W.ndim == 1 else W.pow(2).sum(1 - dim)  # one value per row along `dim`
+                sq = sq + rows.view(seg, n, w).sum((0, 2))
+            out[kind].append(sq.sqrt() if n else torch.zeros(0))
+    return out
+
+
+def keep_top(scores, budget, lo, hi):
+    """Per block, the sorted indices of the units to keep: every block its `lo` best first, then the
+    best of the rest over all blocks until `budget` is spent, no block above `hi`. Ties: lower block,
+    then lower unit first."""
+    ranked = [sorted(range(len(s)), key=lambda u: (-float(s[u]), u)) for s in scores]
+    keep = [r[:lo_b] for r, lo_b in zip(ranked, lo)]
+    rest = sorted(((-float(scores[b][u]), b, u) for b, r in enumerate(ranked) for u in r[lo[b]:]))
+    left = budget - sum(map(len, keep))
+    for _, b, u in rest:
+        if left == 0:
+            break
+        if len(keep[b]) < hi[b]:
+            keep[b].append(u)
+            left -= 1
+    if left:
+        raise ValueError(f"cannot keep {budget} units within the block bounds")
+    return [torch.tensor(sorted(k), dtype=torch.long) for k in keep]
+
+
+def initial_units(model, how, budget, lo, hi, batches=(), loss_of=None):
+    """{kind: [indices to keep per block]} of a dense model under the budgets: 'taylor' (gate-Taylor
+    over `batches`), 'magnitude' (weight norm) or 'first' (the first units, spread evenly: what a run
+    from scratch keeps)."""
+    if how == "first":
+        return {k: [torch.arange(n) for n in uniform(budget[k], len(model.blocks))] for k in KINDS}
+    scores = score_units(model, batches, loss_of) if how == "taylor" else magnitude_scores(model)
+    return {k: keep_top([s.cpu() for s in scores[k]], budget[k], lo[k], hi[k]) for k in KINDS}
 
 
 def weight_density(cfg, heads, mlp):

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
-from barter import KINDS, Barter, select, taylor_scores, uniform, unit_budgets, round_half_up
+from barter import KINDS, Barter, all_mean, select, taylor_scores, uniform, unit_budgets, round_half_up
 from vit import leaf, per_row
 
 
@@ -75,9 +75,6 @@ class MaskedMethod:
     def weight(self, name):
         mod, attr, _ = self.masks[name]
         return leaf(mod, attr)
-
-    def init_model(self):
-        self.apply_masks(None)
 
     @torch.no_grad()
     def apply_masks(self, optimizer):
@@ -155,6 +152,19 @@ class Masked(MaskedMethod):
     def counts(self, kind):
         return [int(a.sum()) for a in self.active[kind]]
 
+    @torch.no_grad()
+    def init_model(self, keep=None):
+        """Mask all but the units `keep` ({kind: [indices per block]}; default: BARTER's first units)."""
+        if keep is not None:
+            for kind in KINDS:
+                for i, idx in enumerate(keep[kind]):
+                    self.active[kind][i] = torch.zeros_like(self.active[kind][i]).index_fill_(0, idx.cpu(), True)
+                    for mod, attr, *_ in self.model.blocks[i].units(kind)[2]:
+                        mod.parametrizations[attr][0].mask.copy_(self.unit_mask(i, kind, mod, attr))
+            for kind in KINDS:
+                assert sum(self.counts(kind)) == self.budget[kind], f"{kind}: keep breaks the budget"
+        self.apply_masks(None)
+
     def reset_stats(self):
         dev = self.model.head.weight.device  # accumulated on the device: no sync per step
         self.acc = {k: [torch.zeros(a.numel(), device=dev) for a in self.active[k]] for k in KINDS}
@@ -201,9 +211,9 @@ class Masked(MaskedMethod):
             for i, blk in enumerate(self.model.blocks):
                 n, w, _ = blk.units(kind)
                 (mod, attr, dim, seg), = self.masks_of(i, kind, "out")
-                g = mod.parametrizations[attr][0].grad  # dense gradient of the output side
+                g = all_mean(mod.parametrizations[attr][0].grad)  # dense gradient of the output side
                 gs = g.abs().float().sum(1 - dim).view(n, w).sum(1).tolist()
-                acc = (self.acc[kind][i] / max(self.nacc, 1)).tolist()
+                acc = (all_mean(self.acc[kind][i]) / max(self.nacc, 1)).tolist()
                 active, fresh = self.active[kind][i].tolist(), self.fresh[kind][i].tolist()
                 for u in range(n):
                     if active[u]:
@@ -291,6 +301,15 @@ class Unstructured(MaskedMethod):
             self.k[name] = round_half_up(d * s[0] * s[1])
             self.add_mask(name, mod, "weight", random_mask(s, self.k[name], self.gen))
 
+    @torch.no_grad()
+    def init_model(self, magnitude=False):
+        """Random masks (drawn in __init__), or for pretrained weights the largest |W| of each layer."""
+        if magnitude:
+            for name, (mod, attr, p) in self.masks.items():
+                top = leaf(mod, attr).abs().view(-1).topk(self.k[name]).indices
+                p.mask.zero_().view(-1)[top] = 1
+        self.apply_masks(None)
+
     def before_forward(self, t):
         if self.grow == "gradient" and self.schedule.is_update(t):
             for _, _, p in self.masks.values():
@@ -301,7 +320,7 @@ class Unstructured(MaskedMethod):
 
     def grow_scores(self, name, p):
         if self.grow == "gradient":
-            return p.grad.abs().float()
+            return all_mean(p.grad).abs().float()
         return torch.rand(p.mask.shape, generator=self.gen).to(p.mask.device)
 
     @torch.no_grad()
@@ -360,6 +379,11 @@ class BiDST(Unstructured):
         for _, _, p in self.masks.values():
             p.capture = True  # the logits need the dense gradient on every step
 
+    def init_model(self, magnitude=False):
+        super().init_model(magnitude)
+        for n, (_, _, p) in self.masks.items():
+            self.logits[n].copy_(2 * p.mask - 1)
+
     def before_forward(self, t):
         pass
 
@@ -368,7 +392,7 @@ class BiDST(Unstructured):
         lr = optimizer.param_groups[0]["lr"]
         for name, (mod, attr, p) in self.masks.items():
             s = self.logits[name]
-            g, W = p.grad.to(s.dtype), leaf(mod, attr).to(s.dtype)
+            g, W = all_mean(p.grad).to(s.dtype), leaf(mod, attr).to(s.dtype)
             u = torch.rand(s.shape, generator=self.gen, dtype=s.dtype).clamp_(1e-6, 1 - 1e-6).to(s.device)
             m = torch.sigmoid((s + torch.log(u) - torch.log1p(-u)) / self.tau)
             ds = (g * W - lr * g * g) * m * (1 - m) / self.tau
@@ -405,7 +429,7 @@ class Dense:
     def __init__(self, model, schedule=None, **_):
         self.model = model
 
-    def init_model(self):
+    def init_model(self, **_):
         pass
 
     def before_forward(self, t):
