@@ -3,6 +3,8 @@ Train a ViT with BARTER or a baseline. `python train.py --dense-frac 0.1` trains
 Logs a progress bar, one line and one JSONL record per epoch (loss, top-1, img/s, peak memory) and
 per topology update (what moved, units per block); checkpoints every epoch and resumes exactly.
 """
+import contextlib
+import itertools
 import json
 import math
 import os
@@ -11,19 +13,20 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Literal, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import data
-from barter import Barter, Schedule, unit_budgets
+import vit
+from barter import FRESH, Barter, Schedule, initial_units, resize, unit_budgets
 from baselines import BiDST, Dense, Masked, Static, Unstructured
-from vit import PRESETS, ViT, preset
-
-CKPT_FORMAT = "barter-reference-checkpoint-v1"
+from vit import CKPT_FORMAT, PRESETS, ViT, ViTConfig
 METHODS = ("barter", "static", "masked", "rigl", "set", "bidst", "dense")
 UNIT_METHODS = ("barter", "static", "masked")  # the methods that count heads and MLP channels
 
@@ -86,17 +89,30 @@ class Args:
     """log and checkpoints (None: runs/METHOD-dDENSITY-MODEL-DATA-sSEED)"""
     resume: Optional[str] = None
     """checkpoint to continue from (must match this run's arguments)"""
+    eval_only: bool = False
+    """with --resume: print the checkpoint's test top-1 and exit (its own data arguments are used)"""
+    pretrained: Optional[str] = None
+    """start from these weights: a torchvision or timm/DeiT ViT state dict, a checkpoint of this project, or
+    torchvision:NAME (e.g. torchvision:vit_b_16). The model shape comes from the file; --model is not used"""
+    select: Literal["taylor", "magnitude", "first"] = "taylor"
+    """with --pretrained: the units the compact start keeps (gate-Taylor score over --init-batches, weight norm,
+    or the first units of each block)"""
+    init_batches: int = 8
+    """with --pretrained: training batches over which every unit is scored once (a one-time dense cost)"""
+    pretrained_heads: Optional[int] = None
+    """heads per block of --pretrained state dicts, which do not store it (None: the DeiT/ViT value for the
+    width: 3 for 192, 6 for 384, 12 for 768, 16 for 1024 and 1280; else width / 64)"""
 
 
 # arguments that may differ between a run and its resumption
-RESUMABLE_CHANGES = {"max_steps", "device", "compile", "workers", "out_dir", "resume", "data_dir"}
+RESUMABLE_CHANGES = {"max_steps", "device", "compile", "workers", "out_dir", "resume", "data_dir", "eval_only"}
 
 
 class ArgError(ValueError):
     pass
 
 
-def validate(args):
+def validate(args, world=1):
     def need(ok, msg):
         if not ok:
             raise ArgError(msg)
@@ -107,13 +123,16 @@ def validate(args):
     for name in ("epochs", "batch_size", "update_every", "workers"):
         need(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     need(args.max_steps is None or args.max_steps > 0, f"--max-steps must be positive, got {args.max_steps}")
+    need(args.batch_size % world == 0, f"--batch-size {args.batch_size} (the global batch) must divide by the {world} ranks")
     need(args.lr > 0 and args.weight_decay >= 0 and args.warmup_epochs >= 0 and args.clip_grad >= 0,
          "--lr must be positive; --weight-decay, --warmup-epochs and --clip-grad non-negative")
     need(0 <= args.label_smoothing < 1, f"--label-smoothing must be in [0, 1), got {args.label_smoothing}")
     need(args.model in PRESETS, f"unknown --model {args.model!r}; choose from {', '.join(PRESETS)}")
-    patch = PRESETS[args.model].patch_size
-    need(args.img_size is None or (args.img_size > 0 and args.img_size % patch == 0),
-         f"--img-size must be a positive multiple of {args.model}'s patch size {patch}, got {args.img_size}")
+    need(args.init_batches > 0, f"--init-batches must be positive, got {args.init_batches}")
+    need(args.pretrained_heads is None or args.pretrained_heads > 0, f"--pretrained-heads must be positive, got {args.pretrained_heads}")
+    need(not args.eval_only or args.resume, "--eval-only needs --resume CHECKPOINT")
+    if not args.pretrained:  # else the shape comes from the weights file: checked once it is read
+        check_img_size(args.img_size, PRESETS[args.model])
     need(args.method in METHODS, f"unknown --method {args.method!r}; choose from {', '.join(METHODS)}")
     need(args.data in data.DATASETS, f"unknown --data {args.data!r}; choose from {', '.join(data.DATASETS)}")
     if args.data == "folder":
@@ -126,11 +145,8 @@ def validate(args):
     existing = os.path.join(run_dir(args), "checkpoint.pt")
     need(args.resume or not os.path.exists(existing), f"{run_dir(args)} holds a checkpoint already: "
          f"continue it with --resume {existing}, or pick another --out-dir")
-    if args.method in UNIT_METHODS:
-        try:
-            unit_budgets(PRESETS[args.model], args.dense_frac, args.head_frac, args.mlp_frac)
-        except ValueError as e:
-            raise ArgError(str(e)) from None
+    if args.method in UNIT_METHODS and not args.pretrained:
+        check_budgets(args, PRESETS[args.model])
     if args.device != "auto":
         try:
             dev = torch.device(args.device)
@@ -139,6 +155,18 @@ def validate(args):
         need(dev.type == "cpu" or (dev.type == "cuda" and torch.cuda.is_available()
                                    and (dev.index or 0) < torch.cuda.device_count()),
              f"--device {args.device} is not available here")
+
+
+def check_img_size(img_size, cfg):
+    if img_size is not None and (img_size <= 0 or img_size % cfg.patch_size):
+        raise ArgError(f"--img-size must be a positive multiple of the patch size {cfg.patch_size}, got {img_size}")
+
+
+def check_budgets(args, cfg):
+    try:
+        unit_budgets(cfg, args.dense_frac, args.head_frac, args.mlp_frac)
+    except ValueError as e:
+        raise ArgError(str(e)) from None
 
 
 def pick_device(name):
@@ -160,10 +188,11 @@ def load_resume(args):
         raise ArgError(f"--resume {path!r} is not a readable checkpoint ({type(e).__name__})") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
         raise ArgError(f"--resume {path!r} is not a checkpoint of this project")
-    differ = [k for k, v in asdict(args).items() if k not in RESUMABLE_CHANGES and ckpt["args"].get(k) != v]
+    default = {k: f.default for k, f in Args.__dataclass_fields__.items()}  # for arguments added since
+    differ = [k for k, v in asdict(args).items() if k not in RESUMABLE_CHANGES and ckpt["args"].get(k, default[k]) != v]
     if differ:
         raise ArgError("--resume checkpoint was made with other arguments: " +
-                       ", ".join(f"--{k.replace('_', '-')} {ckpt['args'][k]!r} (now {getattr(args, k)!r})" for k in differ))
+                       ", ".join(f"--{k.replace('_', '-')} {ckpt['args'].get(k, default[k])!r} (now {getattr(args, k)!r})" for k in differ))
     return ckpt
 
 
@@ -233,7 +262,8 @@ def show_counts(rec, prev):
 
 
 @torch.no_grad()
-def evaluate(fwd, loader, amp):
+def evaluate(fwd, loader, amp, ranks=None):
+    """Top-1 on the loader's images (under torchrun each rank counts its share)."""
     was = fwd.training
     fwd.eval()
     correct = total = 0
@@ -242,6 +272,8 @@ def evaluate(fwd, loader, amp):
             correct += int((fwd(x).argmax(1) == y).sum())
         total += len(y)
     fwd.train(was)
+    if ranks is not None:
+        correct, total = ranks.reduce(correct), ranks.reduce(total)
     return correct / max(total, 1)
 
 
@@ -278,25 +310,212 @@ def summarize(out, total_steps, counts=None):
     return rec
 
 
-def main(args: Args):
-    validate(args)
-    ckpt = load_resume(args) if args.resume else None
+# ---- fine-tuning: pretrained weights in, the compact start chosen from them ---------------------------
+
+def read_pretrained(args):
+    """The pretrained model (dense or compact, on the CPU), its shape checked against the arguments."""
+    try:
+        model, kind = vit.load_pretrained(args.pretrained, args.pretrained_heads)
+    except vit.WeightsError as e:
+        raise ArgError(f"--pretrained {e}") from None
+    check_img_size(args.img_size, model.cfg)
+    if args.method in UNIT_METHODS:
+        check_budgets(args, model.cfg)
+    c = model.cfg
+    print(f"pretrained: {kind} weights from {args.pretrained}: {c.depth} blocks of width {c.dim}, {c.num_heads} heads, "
+          f"MLP {c.mlp_hidden}, {c.img_size} px in patches of {c.patch_size}, {c.num_classes} classes")
+    return model
+
+
+@torch.no_grad()
+def adapt(model, cfg, gen):
+    """The pretrained model made fit for this data (cfg): grey images, the patch grid, the classes; a
+    compact model is widened to its dense shape with fresh units that output nothing."""
+    old = model.cfg
+    if old.in_chans != cfg.in_chans:
+        if (old.in_chans, cfg.in_chans) != (3, 1):
+            raise ArgError(f"--pretrained weights take {old.in_chans} channels, the data has {cfg.in_chans}")
+        w, b = model.patch_embed.weight, model.patch_embed.bias  # grey = RGB with three equal channels
+        model.patch_embed = torch.nn.Conv2d(1, old.dim, old.patch_size, old.patch_size).to(w.dtype)
+        model.patch_embed.weight.copy_(w.sum(1, keepdim=True))
+        model.patch_embed.bias.copy_(b)
+        print("grey images: the RGB patch embedding is summed over its three channels")
+    grid = cfg.img_size // cfg.patch_size
+    model.pos_embed = torch.nn.Parameter(vit.resample_pos_embed(model.pos_embed.detach(), grid))
+    if old.num_classes != cfg.num_classes:
+        model.head = torch.nn.Linear(old.dim, cfg.num_classes)
+        torch.nn.init.zeros_(model.head.weight)
+        torch.nn.init.zeros_(model.head.bias)
+        print(f"new classifier head for {cfg.num_classes} classes (the weights have {old.num_classes}): zero, then "
+              f"fitted to the frozen features of the --init-batches before units are scored")
+    model.cfg = cfg
+    dense = {"heads": cfg.num_heads, "mlp": cfg.mlp_hidden}
+    widen = {k: [None if n == dense[k] else torch.cat([torch.arange(n), torch.full((dense[k] - n,), FRESH)])
+                 for n in model.counts(k)] for k in dense}
+    resize(model, None, widen["heads"], widen["mlp"], generator=gen)
+    return model
+
+
+def fit_head(model, batches, steps=200):
+    """Fit a zero head to the frozen features of `batches` (logistic regression, Adam)."""
+    with torch.no_grad():
+        feats = torch.cat([model.features(x).float() for x, _ in batches])
+    ys = torch.cat([y for _, y in batches])
+    W = torch.zeros_like(model.head.weight, dtype=torch.float32, requires_grad=True)
+    b = torch.zeros_like(model.head.bias, dtype=torch.float32, requires_grad=True)
+    opt = torch.optim.Adam([W, b], lr=1e-2)
+    for _ in range(steps):
+        opt.zero_grad()
+        F.cross_entropy(feats @ W.T + b, ys).backward()
+        opt.step()
+    with torch.no_grad():
+        model.head.weight.copy_(W)
+        model.head.bias.copy_(b)
+
+
+def choose_start(model, args, cfg, batches, amp, new_head):
+    """What init_model needs to start from the pretrained weights, and a record of the choice."""
+    t0 = time.perf_counter()
+    if new_head:
+        fit_head(model, batches)
+
+    def loss_of(x, y):
+        with amp:
+            return F.cross_entropy(model(x), y, label_smoothing=args.label_smoothing)
+
+    rec = {"select": args.select, "batches": len(batches)}
+    with torch.no_grad():
+        rec["loss_dense"] = sum(float(loss_of(x, y)) for x, y in batches) / len(batches)
+    kw = {}
+    if args.method in UNIT_METHODS:
+        budget, lo, hi = unit_budgets(cfg, args.dense_frac, args.head_frac, args.mlp_frac)
+        kw["keep"] = initial_units(model, args.select, budget, lo, hi, batches, loss_of)
+    elif args.method in ("rigl", "set", "bidst"):
+        kw["magnitude"] = True  # random masks would throw most of the pretrained function away
+    rec["seconds"] = time.perf_counter() - t0
+    return kw, rec, loss_of
+
+
+def eval_checkpoint(args):
+    """--eval-only: the checkpoint's model on its test split."""
+    try:
+        ckpt = vit.read(args.resume)
+        model = vit.load(args.resume)
+    except vit.WeightsError as e:
+        raise ArgError(f"--resume {e}") from None
+    a = {**asdict(Args()), **{k: v for k, v in ckpt["args"].items() if k in Args.__dataclass_fields__}}
     device = pick_device(args.device)
-    out = run_dir(args)
-    torch.manual_seed(args.seed)
-    train_dl, test_dl, info = data.load(args.data, args.data_dir, args.batch_size, device,
-                                        args.img_size or PRESETS[args.model].img_size, args.seed, args.workers,
-                                        args.augment)
-    cfg = preset(args.model, in_chans=info.in_chans, img_size=info.img_size, num_classes=info.num_classes)
-    shapes = {"heads": ckpt["heads"], "mlp": ckpt["mlp"]} if ckpt else {}
-    model = ViT(cfg, **shapes).to(device)
+    data_dir = args.data_dir if args.data_dir != Args.data_dir else a["data_dir"]
+    _, test_dl, _ = data.load(a["data"], data_dir, a["batch_size"], device, model.cfg.img_size, a["seed"], args.workers)
+    top1 = evaluate(model.to(device), test_dl, autocast(device, a["bf16"] and bf16_supported(device)))
+    n = len(test_dl.x) if hasattr(test_dl, "x") else len(test_dl.ds)
+    print(f"{args.resume}: {a['method']} d={a['dense_frac']} at step {ckpt['step']}, test top-1 {top1:.4f} "
+          f"on {n} {a['data']} test images")
+    return top1
+
+
+def build(args, ckpt, device, amp, ranks=None):
+    """Data, model and method of a run: initialised for a fresh run (from scratch or from --pretrained),
+    or shaped like the checkpoint for its weights to be loaded. Returns (train loader, test loader,
+    config, model, method, record of the pretrained start or None)."""
+    pre = read_pretrained(args) if args.pretrained and not ckpt else None
+    base = ViTConfig(**ckpt["cfg"]) if ckpt else (pre.cfg if pre else PRESETS[args.model])
+    rank, world = (ranks.rank, ranks.world) if ranks else (0, 1)
+    train_dl, test_dl, info = data.load(args.data, args.data_dir, args.batch_size, device, args.img_size or base.img_size,
+                                        args.seed, args.workers, args.augment, rank, world)
+    cfg = replace(base, in_chans=info.in_chans, img_size=info.img_size, num_classes=info.num_classes)
+    init_kw, init_rec = {}, None
+    if pre:
+        model = adapt(pre, cfg, torch.Generator().manual_seed(args.seed)).to(device)
+        batches = list(itertools.islice(train_dl.epoch(0), args.init_batches))
+        init_kw, init_rec, loss_of = choose_start(model, args, cfg, batches, amp, base.num_classes != cfg.num_classes)
+    else:
+        shapes = {"heads": ckpt["heads"], "mlp": ckpt["mlp"]} if ckpt else {}
+        model = ViT(cfg, **shapes).to(device)
     spe = len(train_dl)
-    total = args.epochs * spe
-    schedule = Schedule(total, args.update_every, args.alpha0, args.end_frac, start=args.warmup_epochs * spe)
+    schedule = Schedule(args.epochs * spe, args.update_every, args.alpha0, args.end_frac, start=args.warmup_epochs * spe)
     method = make_method(args.method, model, schedule, args.dense_frac, args.head_frac, args.mlp_frac,
                          args.distribution, args.seed)
     if ckpt is None:
-        method.init_model()
+        method.init_model(**init_kw)
+    if init_rec:
+        with torch.no_grad():
+            init_rec["loss_start"] = sum(float(loss_of(x, y)) for x, y in batches) / len(batches)
+        print(f"compact start by {args.select} over {len(batches)} batches in {init_rec['seconds']:.1f} s (one-time dense "
+              f"cost): loss {init_rec['loss_dense']:.4f} dense -> {init_rec['loss_start']:.4f} at step 0")
+    return train_dl, test_dl, cfg, model, method, init_rec
+
+
+class Ranks:
+    """The processes of a torchrun job (RANK, WORLD_SIZE, LOCAL_RANK in the environment; NCCL on CUDA,
+    gloo on the CPU), or the one process of a plain run: which device, who writes, and the few
+    reductions the training loop needs so that every rank sees the same numbers."""
+
+    def __init__(self, device_name):
+        env = os.environ
+        self.rank, self.world, self.local = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
+        self.main = self.rank == 0
+        self.device = pick_device(device_name)
+        if self.device.type == "cuda" and self.world > 1:
+            self.device = torch.device("cuda", self.local)
+            torch.cuda.set_device(self.device)
+        self.owns_group = self.world > 1 and not dist.is_initialized()
+        if self.owns_group:
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+
+    def reduce(self, value, op="sum"):
+        if self.world == 1:
+            return float(value)
+        t = torch.tensor(float(value), dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        return t.item()
+
+    def wrap(self, model, compile):
+        """What the training step calls: the model, in DDP under torchrun (rebuilt after every resize:
+        DDP holds the parameters it was built with), compiled if asked."""
+        fwd = model
+        if self.world > 1:
+            empty = any(b.attn.num_heads == 0 or b.mlp.hidden == 0 for b in model.blocks)  # their norms go unused
+            fwd = DDP(model, device_ids=[self.local] if self.device.type == "cuda" else None, find_unused_parameters=empty)
+        return torch.compile(fwd) if compile else fwd
+
+    def check_lockstep(self, counts, step):
+        """Every rank must have made the same topology decision; say so clearly if not (before DDP
+        would fail on mismatched shapes, or hang)."""
+        if self.world == 1:
+            return
+        every = [None] * self.world
+        dist.all_gather_object(every, counts)
+        if any(c != every[0] for c in every):
+            raise RuntimeError(f"ranks disagree on the units after the update at step {step}: " +
+                               "; ".join(f"rank {r}: {c}" for r, c in enumerate(every)))
+
+    def close(self):
+        if self.owns_group:
+            dist.destroy_process_group()
+
+
+def main(args: Args):
+    if args.eval_only:
+        return eval_checkpoint(args)
+    ranks = Ranks(args.device if not args.eval_only else "cpu")
+    try:
+        with (nullcontext() if ranks.main else contextlib.redirect_stdout(open(os.devnull, "w"))):
+            return train(args, ranks)
+    finally:
+        ranks.close()
+
+
+def train(args, ranks):
+    validate(args, ranks.world)
+    ckpt = load_resume(args) if args.resume else None
+    device = ranks.device
+    out = run_dir(args)
+    torch.manual_seed(args.seed)
+    amp = autocast(device, args.bf16 and bf16_supported(device))  # the CPU trains in fp32
+    train_dl, test_dl, cfg, model, method, init_rec = build(args, ckpt, device, amp, ranks)
+    spe = len(train_dl)
+    total = args.epochs * spe
     opt = make_optimizer(model, args.lr, args.weight_decay)
     step = 0
     if ckpt:
@@ -305,8 +524,7 @@ def main(args: Args):
         method.load_state_dict(ckpt["method"])
         torch.set_rng_state(ckpt["rng"]["torch"])
         step = ckpt["step"]
-    fwd = torch.compile(model) if args.compile else model
-    amp = autocast(device, args.bf16 and bf16_supported(device))  # the CPU trains in fp32
+    fwd = ranks.wrap(model, args.compile)
     end = min(total, args.max_steps or total)
     warm = args.warmup_epochs * spe
 
@@ -314,57 +532,74 @@ def main(args: Args):
         return args.lr * (t / warm if t <= warm else 0.5 * (1 + math.cos(math.pi * (t - warm) / max(total - warm, 1))))
 
     def checkpoint():
-        save_checkpoint(os.path.join(out, "checkpoint.pt"), args=asdict(args), cfg=asdict(cfg),
-                        heads=model.counts("heads"), mlp=model.counts("mlp"), model=model.state_dict(),
-                        optimizer=opt.state_dict(), method=method.state_dict(), step=step,
-                        rng={"torch": torch.get_rng_state()})
+        if ranks.main:  # every rank holds the same model: one file, from rank 0
+            save_checkpoint(os.path.join(out, "checkpoint.pt"), args=asdict(args), cfg=asdict(cfg),
+                            heads=model.counts("heads"), mlp=model.counts("mlp"), model=model.state_dict(),
+                            optimizer=opt.state_dict(), method=method.state_dict(), step=step,
+                            rng={"torch": torch.get_rng_state()})
 
     # everything that can fail on bad input has run: only now does the run get its folder
-    os.makedirs(out, exist_ok=True)
     log_path = os.path.join(out, "log.jsonl")
-    if ckpt:  # records written after the checkpoint (a kill mid-epoch) are replayed: drop them
-        kept = [r for r in read_log(out) if r["step"] <= step and r["type"] != "summary"] if os.path.exists(log_path) else []
-        with open(log_path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
-    stop = []  # Ctrl-C / SIGTERM finish the current step, save, and exit cleanly
-    handler = lambda sig, frame: stop.append(sig)
+    if ranks.main:
+        os.makedirs(out, exist_ok=True)
+        if ckpt:  # records written after the checkpoint (a kill mid-epoch) are replayed: drop them
+            kept = [r for r in read_log(out) if r["step"] <= step and r["type"] != "summary"] if os.path.exists(log_path) else []
+            with open(log_path, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in kept)
+    signalled = []  # Ctrl-C / SIGTERM: finish the current step, save, and exit cleanly (all ranks)
+    handler = lambda sig, frame: signalled.append(sig)
     old_handlers = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    log = open(log_path, "a" if ckpt else "w")
+
+    def should_stop(t):
+        # under torchrun every rank must stop at the same step: agree on it every 10 steps
+        if ranks.world == 1:
+            return bool(signalled)
+        return t % 10 == 0 and ranks.reduce(bool(signalled), "max") > 0
+
+    log = open(log_path if ranks.main else os.devnull, "a" if ckpt else "w")
     counts = {}
-    print(f"{args.method} d={args.dense_frac} {args.model} on {args.data} ({device}): "
-          f"{sum(p.numel() for p in model.parameters()):,} parameters, density {method.density():.4f}, "
-          f"{spe} steps/epoch, {total} steps" + (f", resumed at step {step}" if ckpt else ""))
+    print(f"{args.method} d={args.dense_frac} {args.pretrained or args.model} on {args.data} ({device}"
+          f"{f', {ranks.world} ranks' if ranks.world > 1 else ''}): {sum(p.numel() for p in model.parameters()):,} "
+          f"parameters, density {method.density():.4f}, {spe} steps/epoch, {total} steps" + (f", resumed at step {step}" if ckpt else ""))
     if args.method in UNIT_METHODS:
         print("units per block: " + " | ".join(f"{k} " + " ".join(map(str, method.counts(k))) for k in ("heads", "mlp")))
         counts = {k: method.counts(k) for k in ("heads", "mlp")}
     if not ckpt:  # what a reader of the log (plot.py, study.py) needs to know about the run
-        log.write(json.dumps({"type": "start", "step": 0, "args": asdict(args), "cfg": asdict(cfg),
-                              "dense": {"heads": cfg.num_heads, "mlp": cfg.mlp_hidden}, "counts": counts}) + "\n")
+        log.write(json.dumps({"type": "start", "step": 0, "args": asdict(args), "cfg": asdict(cfg), "init": init_rec,
+                              "world": ranks.world, "dense": {"heads": cfg.num_heads, "mlp": cfg.mlp_hidden},
+                              "counts": counts}) + "\n")
+    stop = False
     try:
         while step < end and not stop:
             epoch, first = divmod(step, spe)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             sync(device)
-            t0, n_img, loss_sum = time.perf_counter(), 0, torch.zeros((), device=device)
-            bar = tqdm(total=spe, initial=first, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False, disable=None)
+            t0, n_img, n_steps, loss_sum = time.perf_counter(), 0, 0, torch.zeros((), device=device)
+            bar = tqdm(total=spe, initial=first, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False,
+                       disable=None if ranks.main else True)
             for x, y in train_dl.epoch(epoch, first):
                 step += 1
                 for g in opt.param_groups:
                     g["lr"] = lr_at(step)
                 loss, rec = train_step(model, fwd, method, opt, x, y, step, amp, args.clip_grad, args.label_smoothing)
                 loss_sum += loss
-                n_img += len(y)
+                n_img += len(y) * ranks.world
+                n_steps += 1
                 bar.update(1)
                 if rec is not None:
+                    ranks.check_lockstep(rec["counts"], step)
+                    fwd = ranks.wrap(model, args.compile)
                     tqdm.write(f"[{args.method}] " + show_counts(rec, counts))
                     counts = rec["counts"]
                     log.write(json.dumps({"type": "update", **rec}) + "\n")
                     log.flush()
+                stop = should_stop(step)
                 if step % 20 == 0 or step == end or stop:
-                    if not math.isfinite(float(loss)):
-                        raise FloatingPointError(f"loss is {float(loss)} at step {step}")
-                    bar.set_postfix(loss=f"{float(loss):.3f}", img_s=f"{n_img / (time.perf_counter() - t0):.0f}")
+                    shown = ranks.reduce(loss) / ranks.world
+                    if not math.isfinite(shown):
+                        raise FloatingPointError(f"loss is {shown} at step {step}")
+                    bar.set_postfix(loss=f"{shown:.3f}", img_s=f"{n_img / (time.perf_counter() - t0):.0f}")
                 if step >= end or stop:
                     break
             sync(device)
@@ -372,19 +607,19 @@ def main(args: Args):
             bar.close()
             done_epoch = step % spe == 0
             rec = {"type": "epoch" if done_epoch else "partial-epoch", "epoch": epoch + 1, "step": step,
-                   "train_loss": float(loss_sum) / max(n_img // args.batch_size, 1), "seconds": seconds,
-                   "img_per_s": n_img / seconds, "peak_mem_mb": peak_memory_mb(device),
+                   "train_loss": ranks.reduce(loss_sum) / ranks.world / max(n_steps, 1), "seconds": seconds,
+                   "img_per_s": n_img / seconds, "peak_mem_mb": ranks.reduce(peak_memory_mb(device), "max"),
                    "mem": "cuda-allocator-peak" if device.type == "cuda" else "process-peak-rss",
                    "params": sum(p.numel() for p in model.parameters()), "density": method.density()}
             if not math.isfinite(rec["train_loss"]):
                 raise FloatingPointError(f"loss is {rec['train_loss']} in epoch {epoch + 1}")
-            rec["test_top1"] = evaluate(fwd, test_dl, amp)
+            rec["test_top1"] = evaluate(fwd, test_dl, amp, ranks)
             tqdm.write(f"epoch {epoch + 1} step {step}: loss {rec['train_loss']:.4f} top-1 {rec['test_top1']:.4f} "
                        f"{rec['img_per_s']:.0f} img/s peak {rec['peak_mem_mb']:.0f} MB density {rec['density']:.4f}")
             log.write(json.dumps(rec) + "\n")
             log.flush()
             checkpoint()
-        if not stop:
+        if not stop and ranks.main:
             summary = summarize(out, total, {k: method.counts(k) for k in ("heads", "mlp")}
                                 if args.method in UNIT_METHODS else None)
             log.write(json.dumps(summary) + "\n")
