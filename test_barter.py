@@ -4,6 +4,7 @@ reference computed here: a hand-written ViT forward with explicit gates, a dense
 hand, torchvision's VisionTransformer, index arithmetic written out independently of vit.unit_rows.
 """
 import copy
+import itertools
 import json
 import math
 import os
@@ -21,6 +22,7 @@ import data
 import train
 from barter import Barter, Schedule, resize, taylor_scores, unit_budgets
 from baselines import BiDST, Masked, Unstructured, erk_densities
+import vit
 from vit import PRESETS, ViT, from_torchvision, leaf
 
 CFG = PRESETS["micro"]  # 3 blocks, dim 32, 4 heads of 8, 64 MLP channels
@@ -569,7 +571,7 @@ def test_main_smoke_every_method(tmp_path, method):
     for key in ("train_loss", "test_top1", "img_per_s", "peak_mem_mb", "params", "density"):
         assert key in ep[-1] and ep[-1][key] == ep[-1][key]
     ups = [r for r in log if r["type"] == "update"]
-    assert (len(ups) == 2) == (method != "dense")
+    assert len(ups) == (0 if method in ("dense", "static") else 2)
     ck = torch.load(os.path.join(a.out_dir, "checkpoint.pt"), weights_only=False)
     assert ck["step"] == 22 and ck["format"] == train.CKPT_FORMAT
 
@@ -800,7 +802,7 @@ def test_image_folder_trains_through_main(tmp_path):
     a = targs(tmp_path, data="folder", data_dir=str(tmp_path / "imgs"), batch_size=8, workers=1, epochs=1)
     model, _, _ = train.main(a)
     assert model.head.out_features == 3
-    assert [r["type"] for r in read_log(a.out_dir)] == ["epoch"]
+    assert [r["type"] for r in read_log(a.out_dir)] == ["start", "epoch", "summary"]
 
 
 # ---- issue 9: static control, Fashion-MNIST offline, no flipped digits, study.py -------------------
@@ -1027,3 +1029,256 @@ def test_run_ends_with_a_summary(two_runs):
     assert s["final_top1"] == ep[-1]["test_top1"] and s["best_top1"] == max(r["test_top1"] for r in ep)
     assert s["train_seconds"] == pytest.approx(sum(r["seconds"] for r in ep))
     assert s["counts"] == [r for r in recs if r["type"] == "update"][-1]["counts"]
+
+
+# ---- issue 10: fine-tuning from pretrained weights, loading a trained model -------------------------
+
+def test_timm_deit_tiny_converts_to_the_same_logits(tmp_path):
+    import timm
+
+    torch.manual_seed(0)
+    t = timm.models.vision_transformer.VisionTransformer(img_size=224, patch_size=16, embed_dim=192, depth=12,
+                                                         num_heads=3, num_classes=1000).eval()
+    with torch.no_grad():  # random biases and gains, so that a bias or norm mapped wrong would show
+        for n, p in t.named_parameters():
+            if n.endswith("bias") or "norm" in n:
+                p.normal_(1.0 if "norm" in n and n.endswith("weight") else 0.0, 0.1)
+    torch.save({"model": t.state_dict()}, tmp_path / "deit.pth")  # the DeiT release files' wrapping
+    ours, kind = vit.load_pretrained(str(tmp_path / "deit.pth"))
+    assert kind == "timm" and ours.cfg == replace(PRESETS["deit-tiny"], num_classes=1000)
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(x), t(x), rtol=1e-5, atol=1e-5)
+
+
+def test_torchvision_state_dict_at_another_shape_converts(tmp_path):
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    tv = VisionTransformer(image_size=48, patch_size=12, num_layers=2, num_heads=3, hidden_dim=48, mlp_dim=80,
+                           num_classes=5).eval()
+    with torch.no_grad():
+        tv.heads.head.weight.normal_(0, 0.1)
+    torch.save(tv.state_dict(), tmp_path / "tv.pt")
+    ours, kind = vit.load_pretrained(str(tmp_path / "tv.pt"), num_heads=3)
+    c = ours.cfg
+    assert kind == "torchvision" and (c.img_size, c.patch_size, c.dim, c.depth, c.num_heads, c.mlp_hidden) == (48, 12, 48, 2, 3, 80)
+    x = torch.randn(2, 3, 48, 48)
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(x), tv(x), rtol=1e-5, atol=1e-5)
+
+
+def test_pos_embed_resampling_matches_timm():
+    from timm.layers import resample_abs_pos_embed
+
+    pos = torch.randn(1, 1 + 14 * 14, 192)
+    new = vit.resample_pos_embed(pos, 8)  # 224 px in patches of 16 -> 32 px in patches of 4
+    assert new.shape == (1, 1 + 8 * 8, 192) and torch.equal(new[:, 0], pos[:, 0])
+    torch.testing.assert_close(new, resample_abs_pos_embed(pos, [8, 8]))
+    assert vit.resample_pos_embed(pos, 14) is pos
+
+
+def test_bad_weight_files_fail_with_one_line(tmp_path):
+    (tmp_path / "junk.pt").write_bytes(b"no")
+    torch.save({"conv1.weight": torch.zeros(2)}, tmp_path / "resnet.pt")
+    repo = os.path.dirname(os.path.abspath(__file__))
+    for path, says in ((tmp_path / "junk.pt", "not a readable torch file"), (tmp_path / "resnet.pt", "accepted:"),
+                       (tmp_path / "missing.pt", "no such file")):
+        r = subprocess.run([sys.executable, "train.py", "--pretrained", str(path), "--data", "synthetic",
+                            "--out-dir", str(tmp_path / "run")], capture_output=True, text=True, cwd=repo)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr, r.stderr
+        assert not (tmp_path / "run").exists()
+    for path, says in ((tmp_path / "junk.pt", "not a readable torch file"), (tmp_path / "resnet.pt", "not a checkpoint")):
+        r = subprocess.run([sys.executable, "train.py", "--eval-only", "--resume", str(path)],
+                           capture_output=True, text=True, cwd=repo)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr, r.stderr
+
+
+@pytest.fixture(scope="module")
+def trained_torchvision(tmp_path_factory):
+    """A micro-shaped torchvision ViT trained a few hundred steps on the synthetic set, saved as a file."""
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    tv = VisionTransformer(image_size=32, patch_size=8, num_layers=3, num_heads=4, hidden_dim=32, mlp_dim=64, num_classes=10)
+    tr, _, _ = data.load("synthetic", "data", 64, "cpu")
+    opt = torch.optim.AdamW(tv.parameters(), lr=2e-3)
+    for epoch in range(4):
+        for x, y in tr.epoch(epoch):
+            opt.zero_grad()
+            F.cross_entropy(tv(x), y).backward()
+            opt.step()
+    path = tmp_path_factory.mktemp("tv") / "tv_micro.pt"
+    torch.save(tv.state_dict(), path)
+    return str(path)
+
+
+def start(tmp_path, path, **kw):
+    a = targs(tmp_path, pretrained=path, pretrained_heads=4, init_batches=3, **kw)
+    torch.manual_seed(0)
+    return train.build(a, None, torch.device("cpu"), train.nullcontext())
+
+
+def test_importance_selection_keeps_the_top_units(tmp_path, trained_torchvision):
+    tr, _, cfg, masked_model, masked, rec = start(tmp_path, trained_torchvision, method="masked")
+    # the gate-Taylor scores, computed here with explicit gates in the hand-written forward
+    dense, _ = vit.load_pretrained(trained_torchvision, num_heads=4)
+    dense = dense.double()
+    hs, fs = [torch.zeros(4, dtype=torch.float64) for _ in range(3)], [torch.zeros(64, dtype=torch.float64) for _ in range(3)]
+    batches = list(itertools.islice(tr.epoch(0), 3))
+    for x, y in batches:
+        hg = [torch.ones(4, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+        fg = [torch.ones(64, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+        F.cross_entropy(ref_forward(dense, x.double(), hg, fg), y, label_smoothing=0.1).backward()
+        hs = [a + g.grad.abs() / 3 for a, g in zip(hs, hg)]
+        fs = [a + g.grad.abs() / 3 for a, g in zip(fs, fg)]
+    budget, lo, hi = unit_budgets(cfg, 0.3)
+    for kind, scores in (("heads", hs), ("mlp", fs)):
+        kept = [set(a.nonzero().flatten().tolist()) for a in masked.active[kind]]
+        assert sum(map(len, kept)) == budget[kind] and all(len(k) >= l for k, l in zip(kept, lo[kind]))
+        # every kept unit is either among its block's `lo` best or scores above every unit left out
+        for b, k in enumerate(kept):
+            best = set(sorted(range(len(scores[b])), key=lambda u: -scores[b][u])[:lo[kind][b]])
+            assert best <= k
+        top_extra = min(scores[b][u] for b, k in enumerate(kept) for u in k
+                        if u not in sorted(range(len(scores[b])), key=lambda u: -scores[b][u])[:lo[kind][b]])
+        left_out = max(scores[b][u] for b, k in enumerate(kept) for u in range(len(scores[b])) if u not in k)
+        assert top_extra >= left_out - 1e-9
+    # barter starts from the identical function; its step-0 loss beats a random choice of units
+    _, _, _, barter_model, barter, brec = start(tmp_path, trained_torchvision, method="barter")
+    x, y = batches[0]
+    with torch.no_grad():
+        torch.testing.assert_close(barter_model(x), masked_model(x), rtol=1e-5, atol=1e-6)
+    assert brec["loss_start"] == pytest.approx(rec["loss_start"], rel=1e-5)
+    g = torch.Generator().manual_seed(0)
+    rand = copy.deepcopy(dense).float()
+    resize(rand, None, [torch.randperm(4, generator=g)[:n].sort().values for n in barter_model.counts("heads")],
+           [torch.randperm(64, generator=g)[:n].sort().values for n in barter_model.counts("mlp")])
+    with torch.no_grad():
+        rand_loss = sum(float(F.cross_entropy(rand(x), y, label_smoothing=0.1)) for x, y in batches) / 3
+    assert brec["loss_start"] < rand_loss
+    assert rec["loss_dense"] < brec["loss_start"]
+
+
+def test_finetune_runs_and_new_classes_get_a_fitted_head(tmp_path, trained_torchvision):
+    import timm
+
+    t = timm.models.vision_transformer.VisionTransformer(img_size=64, patch_size=8, embed_dim=32, depth=2, num_heads=4,
+                                                         mlp_ratio=2, num_classes=7)
+    torch.save(t.state_dict(), tmp_path / "timm.pt")
+    _, _, cfg, model, meth, rec = start(tmp_path, str(tmp_path / "timm.pt"), method="barter")
+    assert (cfg.img_size, cfg.num_classes, model.pos_embed.shape[1]) == (64, 10, 1 + 8 * 8)  # data resized to the weights'
+    tr, _, cfg, model, meth, rec = start(tmp_path, str(tmp_path / "timm.pt"), method="barter", img_size=32)
+    assert (cfg.img_size, model.pos_embed.shape[1], next(tr.epoch(0))[0].shape[-1]) == (32, 1 + 4 * 4, 32)  # resampled
+    assert model.head.weight.abs().sum() > 0 and rec["loss_dense"] < math.log(10)  # fitted, better than chance
+    import shutil
+
+    weights = shutil.copy(trained_torchvision, tmp_path / "weights.pt")
+    a = targs(tmp_path, pretrained=str(weights), pretrained_heads=4, init_batches=2, max_steps=12, out_dir=str(tmp_path / "ft"))
+    train.main(a)
+    start_rec = read_log(a.out_dir)[0]
+    assert start_rec["init"]["select"] == "taylor" and start_rec["init"]["loss_start"] > 0
+    os.remove(weights)  # a resumed run takes shape and weights from its checkpoint alone
+    m2, _, _ = train.main(replace(a, max_steps=20, resume=os.path.join(a.out_dir, "checkpoint.pt")))
+    log = read_log(a.out_dir)
+    assert [r["type"] for r in log].count("start") == 1 and log[-1]["step"] == 20
+
+
+def test_load_rebuilds_a_trained_compact_model_in_a_fresh_process(tmp_path):
+    a = targs(tmp_path, max_steps=25)
+    model, _, _ = train.main(a)
+    path = os.path.join(a.out_dir, "checkpoint.pt")
+    x, _ = batch(3, dtype=torch.float32)
+    torch.save(x, tmp_path / "x.pt")
+    code = ("import torch, vit; m = vit.load(%r); assert not m.training; "
+            "torch.save(m(torch.load(%r)), %r); print(m.counts('heads'), m.counts('mlp'))") % (path, str(tmp_path / "x.pt"), str(tmp_path / "y.pt"))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"{model.counts('heads')} {model.counts('mlp')}"
+    with torch.no_grad():
+        torch.testing.assert_close(torch.load(tmp_path / "y.pt"), model.eval()(x), rtol=0, atol=0)
+    top1 = train.main(train.Args(eval_only=True, resume=path, device="cpu"))
+    assert top1 == read_log(a.out_dir)[-2]["test_top1"]
+
+
+# ---- issue 11: torchrun / DDP, topology in lockstep on every rank ----------------------------------
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+DDP_ARGS = ["--model", "micro", "--data", "synthetic", "--update-every", "10", "--warmup-epochs", "0",
+            "--batch-size", "64", "--dense-frac", "0.3", "--device", "cpu"]
+
+
+def torchrun(*args, script="train.py", wait=True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script, *map(str, args)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    if not wait:
+        return p
+    out, err = p.communicate(timeout=300)
+    return p.returncode, out, err
+
+
+def updates(path):
+    return [(r["step"], r["counts"]) for r in read_log(path) if r["type"] == "update"]
+
+
+def close_weights(a, b):
+    """Relative (Frobenius) difference of every tensor within float32 reduction noise. The key bias
+    is left out: its gradient is zero in exact arithmetic (softmax ignores a shift of all logits),
+    so Adam turns the rounding noise of either run into steps of the size of the learning rate."""
+    for k in a:
+        x, y = a[k], b[k]
+        if "attn.qkv" in k and "bias" in k:  # also under a mask parametrization
+            third = len(x) // 3
+            x, y = torch.cat([x[:third], x[2 * third:]]), torch.cat([y[:third], y[2 * third:]])
+        assert (x - y).norm() <= 1e-5 * y.norm() + 1e-7, (k, float((x - y).norm() / y.norm()))
+
+
+@pytest.mark.parametrize("method", ["barter", "masked"])
+def test_two_ranks_equal_one_process(tmp_path, method):
+    one = targs(tmp_path, method=method, epochs=1, max_steps=40, out_dir=str(tmp_path / "one"))
+    train.main(one)
+    rc, out, err = torchrun(*DDP_ARGS, "--method", method, "--epochs", "1", "--max-steps", "40",
+                            "--out-dir", tmp_path / "two")
+    assert rc == 0, err
+    assert "2 ranks" in out and out.count("epoch 1 step 40") == 1  # rank 0 alone prints
+    assert updates(tmp_path / "two") == updates(one.out_dir) and len(updates(one.out_dir)) == 4
+    ck = [torch.load(p / "checkpoint.pt", weights_only=False) for p in (tmp_path / "one", tmp_path / "two")]
+    assert ck[0]["heads"] == ck[1]["heads"] and ck[0]["mlp"] == ck[1]["mlp"]
+    close_weights(ck[1]["model"], ck[0]["model"])
+    assert read_log(tmp_path / "two")[0]["world"] == 2
+
+
+def test_sigterm_on_one_rank_stops_all_and_resumes(tmp_path):
+    whole = tmp_path / "whole"
+    rc, _, err = torchrun(*DDP_ARGS, "--epochs", "3", "--out-dir", whole)
+    assert rc == 0, err
+    part = tmp_path / "part"
+    p = torchrun(*DDP_ARGS, "--epochs", "3", "--out-dir", part, wait=False)
+    deadline = time.time() + 120
+    while not (part / "checkpoint.pt").exists() and time.time() < deadline and p.poll() is None:
+        time.sleep(0.1)  # the first epoch's checkpoint: training is under way
+    with open(f"/proc/{p.pid}/task/{p.pid}/children") as f:
+        workers = f.read().split()
+    os.kill(int(workers[-1]), signal.SIGTERM)  # one rank only, as a scheduler may do
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    ck = torch.load(part / "checkpoint.pt", weights_only=False)
+    assert 78 < ck["step"] < 234 and ck["step"] % 10 == 0 and f"interrupted: checkpoint at step {ck['step']}" in out
+    rc, _, err = torchrun(*DDP_ARGS, "--epochs", "3", "--out-dir", part, "--resume", part / "checkpoint.pt")
+    assert rc == 0, err
+    assert updates(part) == updates(whole) and read_log(part)[-1]["type"] == "summary"
+
+
+def test_desynchronised_plan_is_caught(tmp_path):
+    script = tmp_path / "desync.py"
+    script.write_text(f"""
+import os, sys
+sys.path.insert(0, {REPO!r})
+import barter, train, tyro
+if os.environ["RANK"] == "1":  # this rank's plan moves nothing: the ranks disagree
+    barter.select = lambda counts, lo, hi, prune, grow, k: ([], [])
+train.main(tyro.cli(train.Args))
+""")
+    rc, out, err = torchrun(*DDP_ARGS, "--epochs", "1", "--max-steps", "40", "--out-dir", tmp_path / "run", script=script)
+    assert rc != 0
+    assert "ranks disagree on the units after the update at step" in err and "rank 1: {'heads': [2, 1, 1], 'mlp': [20, 19, 19]}" in err
