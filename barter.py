@@ -9,6 +9,7 @@ optimizer state with the same indices, so the next step runs dense kernels on a 
 import math
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,6 @@ def all_mean(t):
 # gradient is 1/m of the parent's (its output side was divided by m), so 1st moments / m, 2nd / m^2.
 # On the OUTPUT side every copy sees the parent's gradient: state is copied as it is.
 STATE_POWER = {"exp_avg": 1, "momentum_buffer": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 2}
-EPS_RELATIVE = False
 FRESH = -1  # a source index that asks for a new unit instead of a copy
 INIT_STD = 0.02  # the ViT's own init of a linear weight (vit.ViT.__init__)
 
@@ -56,8 +56,9 @@ INIT_STD = 0.02  # the ViT's own init of a linear weight (vit.ViT.__init__)
 @torch.no_grad()
 def resize(model, optimizer, heads, mlp, eps=0.0, generator=None):
     """Rebuild block i with the source units heads[i] / mlp[i] (LongTensors, None = untouched).
-    A source that appears m times is split into m copies: input side copied (weights perturbed by
-    +-eps*u so that the copies differ but their sum stays the same), output side divided by m.
+    A source that appears m times is split into m copies: input side copied, its weights perturbed by
+    +-eps * rms(row) * u (u ~ N(0, 1), opposite signs for the copies, so their mean stays the source),
+    output side divided by m.
     A source FRESH (-1) is a new unit: input weights drawn like the init, input bias and output side
     zero. The function is unchanged for eps = 0, and to first order in eps otherwise.
     Optimizer state goes through the same indices (scaled by STATE_POWER on a split's input side);
@@ -114,8 +115,7 @@ def resize(model, optimizer, heads, mlp, eps=0.0, generator=None):
                 new = gather(old, 0 if side == "in" else 1, draw)
                 if side == "in" and attr == "weight" and eps > 0 and bool((m > 1).any()):
                     u = torch.randn(old.shape, generator=generator).to(old.device, old.dtype)
-                    if EPS_RELATIVE:  # EXPERIMENT: eps in units of each row's RMS
-                        u = u * old.pow(2).mean(1 - dim, keepdim=True).sqrt()
+                    u = u * old.pow(2).mean(1 - dim, keepdim=True).sqrt()  # in units of each row's size
                     new += eps * per_row(sign, w, seg).view(shape).to(old.dtype) * u.index_select(dim, rows)
                 new = nn.Parameter(new, requires_grad=old.requires_grad)
                 setattr(mod, attr, new)
@@ -156,34 +156,39 @@ def check_optimizer(model, optimizer):
 # ----------------------------------------------------------------------------------------------
 # statistics, schedule, selection
 
-def taylor_scores(model, kind, means=None):
+def taylor_scores(model, kind):
     """Per block, t_u = sum over the unit's output-side weights of W * dL/dW: exactly dL/dgate of a
-    gate multiplied into that unit's output. Units with no gradient yet score 0.
-    With means[i] (the batch mean of block i's unit outputs, one value per output-side column), the
-    gate replaces the unit's output by its mean instead of zero (mean replacement, Evci et al. 2018):
-    t_u - sum over u's columns c of mean_c * (W[:, c] . dL/dbias), the bias that the mean goes into."""
+    gate multiplied into that unit's output. Units with no gradient yet score 0."""
     out = []
-    for i, blk in enumerate(model.blocks):
+    for blk in model.blocks:
         n, w, tensors = blk.units(kind)
         mod, attr, dim, _, _ = next(t for t in tensors if t[3] == "out")
         W = leaf(mod, attr)
         if n == 0 or W.grad is None:
             out.append(torch.zeros(n, device=W.device))
             continue
-        per_col = (W * W.grad).float().sum(1 - dim)  # (n*w,)
-        if means is not None and means[i] is not None and mod.bias.grad is not None:
-            per_col = per_col - means[i] * (W.float().T @ mod.bias.grad.float())
-        out.append(per_col.view(n, w).sum(1))  # (n,)
+        out.append((W * W.grad).float().sum(1 - dim).view(n, w).sum(1))  # (n,)
     return out
 
 
 @dataclass
 class Schedule:
+    """When topology updates happen, and the fraction of a budget each one moves: RigL's
+    alpha_t = alpha0 * (1 + cos(pi t / T_end)) / 2. With `churn`, alpha0 is derived so that the
+    fractions of all the run's updates add up to `churn`. Units are not weights: every swap discards
+    a learned unit, and in our study top-1 followed how much moved in all, not per update."""
     total_steps: int
     update_every: int = 500
     alpha0: float = 0.25
     end_frac: float = 0.75
     start: int = 0  # no update before this step (the lr warmup)
+    churn: Optional[float] = None
+
+    def __post_init__(self):
+        if self.churn is not None:
+            shape = sum(self.alpha(t) / self.alpha0 for t in range(self.update_every, self.total_steps + 1, self.update_every)
+                        if self.is_update(t)) if self.alpha0 else 0.0
+            self.alpha0 = min(1.0, self.churn / shape) if shape else 0.0
 
     def is_update(self, t):
         return t > 0 and t % self.update_every == 0 and self.start <= t < self.end_frac * self.total_steps
@@ -245,27 +250,18 @@ def unit_budgets(cfg, dense_frac, head_frac=None, mlp_frac=None):
 class Barter:
     name = "barter"
 
-    def __init__(self, model, schedule, dense_frac=0.1, head_frac=None, mlp_frac=None, eps=1e-3, seed=0, grow="clone",
-                 mean_replace=False, k_floor=False):
+    def __init__(self, model, schedule, dense_frac=0.1, head_frac=None, mlp_frac=None, eps=1.0, seed=0, grow="clone"):
+        """eps: the clone's symmetry breaking, in units of each input row's RMS. With eps ~ 1e-3 the two
+        halves of a split stay near-duplicates for the whole run (measured: half of all channels at
+        d = 0.3), so a clone adds no capacity; with eps = 1 they are distinct units from the start.
+        grow: 'clone' (Net2Net split of a strong unit) or 'fresh' (a new unit, zero output side)."""
         if grow not in ("clone", "fresh"):
             raise ValueError(f"grow must be 'clone' or 'fresh', got {grow!r}")
         self.budget, self.lo, self.hi = unit_budgets(model.cfg, dense_frac, head_frac, mlp_frac)
         self.model, self.schedule, self.eps, self.grow = model, schedule, eps, grow
-        self.mean_replace, self.k_floor = mean_replace, k_floor
         self.gen = torch.Generator().manual_seed(seed)
         self.reset_stats()
         self.fresh = {k: [torch.zeros(n, dtype=torch.bool) for n in model.counts(k)] for k in KINDS}
-        if mean_replace:  # the mean output of every unit, read where the output side reads it
-            for i, blk in enumerate(model.blocks):
-                for kind, mod in (("heads", blk.attn.proj), ("mlp", blk.mlp.fc2)):
-                    mod.register_forward_pre_hook(self.mean_hook(kind, i))
-
-    def mean_hook(self, kind, i):
-        def hook(mod, inputs):
-            if mod.training and torch.is_grad_enabled():
-                x = inputs[0].detach()
-                self.batch_mean[kind][i] = x.reshape(-1, x.shape[-1]).mean(0).float()  # one per input column
-        return hook
 
     def init_model(self, keep=None):
         """Slice the dense model to the units `keep` ({kind: [indices per block]}; default: the first
@@ -279,8 +275,6 @@ class Barter:
 
     def reset_stats(self):
         self.acc = {k: [None] * self.model.cfg.depth for k in KINDS}
-        self.mean_acc = {k: [None] * self.model.cfg.depth for k in KINDS}
-        self.batch_mean = {k: [None] * self.model.cfg.depth for k in KINDS}
         self.nacc = 0
 
     def before_forward(self, t):
@@ -290,13 +284,9 @@ class Barter:
     def after_backward(self, optimizer, t):
         """Accumulate |gate-Taylor| of the active units (one multiply-reduce per block)."""
         for kind in KINDS:
-            means = self.batch_mean[kind] if self.mean_replace else None
-            for i, s in enumerate(taylor_scores(self.model, kind, means)):
+            for i, s in enumerate(taylor_scores(self.model, kind)):
                 a = self.acc[kind][i]
                 self.acc[kind][i] = s.abs() if a is None else a + s.abs()
-                if means is not None and means[i] is not None:
-                    m = self.mean_acc[kind][i]
-                    self.mean_acc[kind][i] = means[i] if m is None else m + means[i]
         self.nacc += 1
 
     def after_step(self, optimizer, t):
@@ -308,7 +298,7 @@ class Barter:
         alpha, plans, moved = self.schedule.alpha(t), {}, {}
         for kind in KINDS:
             counts = self.model.counts(kind)
-            k = math.floor(alpha * self.budget[kind] + 1e-9) if self.k_floor else round_half_up(alpha * self.budget[kind])
+            k = round_half_up(alpha * self.budget[kind])
             scores = [(all_mean(a) / max(self.nacc, 1)).cpu().tolist() if a is not None else [0.0] * n
                       for a, n in zip(self.acc[kind], counts)]
             active = [(s, b, u) for b, sb in enumerate(scores) for u, s in enumerate(sb)]
@@ -323,8 +313,6 @@ class Barter:
                 same = len(parents) == 0 and len(kept) == n
                 plan.append(None if same else torch.tensor(kept + parents, dtype=torch.long))
             plans[kind], moved[kind] = plan, len(P)
-            if self.mean_replace:
-                self.fold_means(kind, P)
         fresh = resize(self.model, optimizer, plans["heads"], plans["mlp"], self.eps, self.gen)
         for kind in KINDS:
             self.fresh[kind] = [f.cpu() if f is not None else torch.zeros(n, dtype=torch.bool)
@@ -333,16 +321,6 @@ class Barter:
         self.check()
         return {"step": t, "alpha": round(alpha, 4), "moved": moved,
                 "counts": {k: self.model.counts(k) for k in KINDS}, "seconds": time.perf_counter() - t0}
-
-    def fold_means(self, kind, pruned):
-        """A pruned unit leaves its mean output behind in the output-side bias."""
-        for b, u in pruned:
-            n, w, tensors = self.model.blocks[b].units(kind)
-            mod, attr, dim, _, _ = next(t for t in tensors if t[3] == "out")
-            mean = self.mean_acc[kind][b]
-            if mean is not None:
-                cols = torch.arange(u * w, (u + 1) * w, device=mean.device)
-                mod.bias.add_((getattr(mod, attr)[:, cols].float() @ (mean[cols] / self.nacc)).to(mod.bias.dtype))
 
     def check(self):
         for kind in KINDS:

@@ -29,7 +29,7 @@ def protocol():
     schedule that the whole grid fits in about an hour of a 2-core CPU (no augmentation: in 3 epochs
     the crops only slow learning down)."""
     return train.Args(model="tiny-28", data="fashion-mnist", epochs=3, warmup_epochs=1, lr=3e-3, augment=False,
-                      update_every=100)
+                      update_every=50)
 
 
 @dataclass
@@ -167,7 +167,7 @@ def paired(runs, ref):
 def tables(a, res, eq=None, chosen=None):
     t = a.train
     lines = [f"Fashion-MNIST-style study: `{t.model}` on `{t.data}`, {t.epochs} epochs ({t.warmup_epochs} warmup), "
-             f"batch {t.batch_size}, lr {t.lr}, an update every {t.update_every} steps, alpha0 {t.alpha0}; "
+             f"batch {t.batch_size}, lr {t.lr}, an update every {t.update_every} steps, churn {t.churn} (rigl: alpha0 {t.alpha0}); "
              f"seeds {', '.join(map(str, a.seeds))}; mean (min-max) over seeds; train s = training time without evaluation"
              + (f"; {a.jobs} runs at a time (times contended)" if a.jobs > 1 else ""), "",
              "| method | density | final top-1 | best top-1 | vs static, same seed | img/s | train s | seeds |",

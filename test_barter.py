@@ -4,6 +4,7 @@ reference computed here: a hand-written ViT forward with explicit gates, a dense
 hand, torchvision's VisionTransformer, index arithmetic written out independently of vit.unit_rows.
 """
 import copy
+import inspect
 import itertools
 import json
 import math
@@ -216,6 +217,24 @@ def test_clone_perturbation_is_symmetric_to_first_order():
         diffs.append((m(x) - before).abs().max().item())
     # an asymmetric perturbation would change the logits in first order (ratio 2); ours in second (4)
     assert 3.5 < diffs[1] / diffs[0] < 4.5
+
+
+def test_default_clone_halves_are_distinct_units_around_their_parent():
+    src = clone_source()
+    m = copy.deepcopy(src)
+    resize(m, None, [None, None, None], [torch.tensor([0, 0, 1, 2]), None, None], eps=inspect.signature(Barter).parameters["eps"].default,
+           generator=torch.Generator().manual_seed(0))
+    w, (a, b) = src.blocks[0].mlp.fc1.weight[0], m.blocks[0].mlp.fc1.weight[:2]
+    torch.testing.assert_close((a + b) / 2, w, rtol=0, atol=1e-15)  # the pair's mean is the parent
+    assert 1.4 < ((a - b).norm() / w.norm()).item() < 2.6  # +-eps * rms(row) * u with eps = 1: |a - b| ~ 2 |w|
+    assert abs(F.cosine_similarity(a, b, dim=0).item()) < 0.6  # not near-duplicates
+
+
+def test_churn_sets_what_moves_over_the_whole_run():
+    s = Schedule(1404, 50, end_frac=0.75, start=468, churn=0.5)
+    steps = [t for t in range(1, 1405) if s.is_update(t)]
+    assert steps[0] == 500 and steps[-1] == 1050 and sum(s.alpha(t) for t in steps) == pytest.approx(0.5)
+    assert Schedule(1404, 100, alpha0=0.3, start=468).alpha0 == 0.3  # without churn: RigL's alpha0 as given
 
 
 # ---- issue 2, test 3: optimizer state is remapped with the same indices ------------------------

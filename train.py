@@ -71,8 +71,14 @@ class Args:
     """steps between topology updates (BARTER and every baseline)"""
     end_frac: float = 0.75
     """fraction of training after which the topology is frozen"""
+    churn: float = 0.5
+    """barter/masked: fraction of each unit budget moved over the whole run (all updates together, cosine-
+    decayed); the fraction per update is derived from it"""
     alpha0: float = 0.25
-    """fraction of each budget moved at the first update, cosine-decayed to zero at --end-frac"""
+    """rigl/set: fraction of each layer's weights moved at the first update (RigL's alpha), cosine-decayed
+    to zero at --end-frac"""
+    grow: Literal["clone", "fresh"] = "clone"
+    """barter: a grown unit is a split of a strong unit (clone) or a new unit with a zero output side (fresh)"""
     distribution: Literal["erk", "uniform"] = "erk"
     """layer densities for rigl/set"""
     seed: int = 0
@@ -120,6 +126,7 @@ def validate(args, world=1):
     for name in ("dense_frac", "head_frac", "mlp_frac", "end_frac", "alpha0"):
         v = getattr(args, name)
         need(v is None or 0 < v <= 1, f"--{name.replace('_', '-')} must be in (0, 1], got {v}")
+    need(args.churn > 0, f"--churn must be positive, got {args.churn}")
     for name in ("epochs", "batch_size", "update_every", "workers"):
         need(getattr(args, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     need(args.max_steps is None or args.max_steps > 0, f"--max-steps must be positive, got {args.max_steps}")
@@ -196,9 +203,9 @@ def load_resume(args):
     return ckpt
 
 
-def make_method(name, model, schedule, dense_frac, head_frac=None, mlp_frac=None, distribution="erk", seed=0):
+def make_method(name, model, schedule, dense_frac, head_frac=None, mlp_frac=None, distribution="erk", seed=0, grow="clone"):
     if name in ("barter", "static"):
-        return (Barter if name == "barter" else Static)(model, schedule, dense_frac, head_frac, mlp_frac, seed=seed)
+        return (Barter if name == "barter" else Static)(model, schedule, dense_frac, head_frac, mlp_frac, seed=seed, grow=grow)
     if name == "masked":
         return Masked(model, schedule, dense_frac, head_frac, mlp_frac, seed=seed)
     if name in ("rigl", "set"):
@@ -433,9 +440,10 @@ def build(args, ckpt, device, amp, ranks=None):
         shapes = {"heads": ckpt["heads"], "mlp": ckpt["mlp"]} if ckpt else {}
         model = ViT(cfg, **shapes).to(device)
     spe = len(train_dl)
-    schedule = Schedule(args.epochs * spe, args.update_every, args.alpha0, args.end_frac, start=args.warmup_epochs * spe)
+    schedule = Schedule(args.epochs * spe, args.update_every, args.alpha0, args.end_frac, start=args.warmup_epochs * spe,
+                        churn=args.churn if args.method in ("barter", "masked") else None)
     method = make_method(args.method, model, schedule, args.dense_frac, args.head_frac, args.mlp_frac,
-                         args.distribution, args.seed)
+                         args.distribution, args.seed, args.grow)
     if ckpt is None:
         method.init_model(**init_kw)
     if init_rec:
