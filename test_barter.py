@@ -647,7 +647,7 @@ def test_bad_resume_files(tmp_path):
     junk.write_bytes(b"not a checkpoint")
     other = tmp_path / "other.pt"
     torch.save({"hello": 1}, other)
-    for path, message in ((tmp_path / "missing.pt", "no such file"), (junk, "not a readable checkpoint"),
+    for path, message in ((tmp_path / "missing.pt", "no such file"), (junk, "not a readable torch file"),
                           (other, "not a checkpoint of this project")):
         with pytest.raises(train.ArgError, match=message):
             train.main(targs(tmp_path, resume=str(path)))

@@ -2,8 +2,8 @@
 Train a ViT with BARTER or a baseline. `python train.py --dense-frac 0.1` trains BARTER on CIFAR-10.
 Logs a progress bar, one line and one JSONL record per epoch (loss, top-1, img/s, peak memory) and
 per topology update (what moved, units per block); checkpoints every epoch and resumes exactly.
+Starts from scratch or from pretrained weights (--pretrained); runs as one process or under torchrun.
 """
-import contextlib
 import itertools
 import json
 import math
@@ -12,7 +12,7 @@ import resource
 import signal
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import nullcontext, redirect_stdout
 from dataclasses import asdict, dataclass, replace
 from typing import Literal, Optional
 
@@ -118,7 +118,9 @@ class ArgError(ValueError):
     pass
 
 
-def validate(args, world=1):
+def validate(args):
+    world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's
+
     def need(ok, msg):
         if not ok:
             raise ArgError(msg)
@@ -186,15 +188,10 @@ def run_dir(args):
 
 
 def load_resume(args):
-    path = args.resume
-    if not os.path.isfile(path):
-        raise ArgError(f"--resume {path!r}: no such file")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:
-        raise ArgError(f"--resume {path!r} is not a readable checkpoint ({type(e).__name__})") from None
-    if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
-        raise ArgError(f"--resume {path!r} is not a checkpoint of this project")
+        ckpt = vit.read_checkpoint(args.resume)
+    except vit.WeightsError as e:
+        raise ArgError(f"--resume {e}") from None
     default = {k: f.default for k, f in Args.__dataclass_fields__.items()}  # for arguments added since
     differ = [k for k, v in asdict(args).items() if k not in RESUMABLE_CHANGES and ckpt["args"].get(k, default[k]) != v]
     if differ:
@@ -406,18 +403,17 @@ def choose_start(model, args, cfg, batches, amp, new_head):
 def eval_checkpoint(args):
     """--eval-only: the checkpoint's model on its test split."""
     try:
-        ckpt = vit.read(args.resume)
-        model = vit.load(args.resume)
+        ckpt = vit.read_checkpoint(args.resume)
     except vit.WeightsError as e:
         raise ArgError(f"--resume {e}") from None
+    model = vit.from_checkpoint(ckpt).eval()
     a = {**asdict(Args()), **{k: v for k, v in ckpt["args"].items() if k in Args.__dataclass_fields__}}
     device = pick_device(args.device)
     data_dir = args.data_dir if args.data_dir != Args.data_dir else a["data_dir"]
     _, test_dl, _ = data.load(a["data"], data_dir, a["batch_size"], device, model.cfg.img_size, a["seed"], args.workers)
     top1 = evaluate(model.to(device), test_dl, autocast(device, a["bf16"] and bf16_supported(device)))
-    n = len(test_dl.x) if hasattr(test_dl, "x") else len(test_dl.ds)
     print(f"{args.resume}: {a['method']} d={a['dense_frac']} at step {ckpt['step']}, test top-1 {top1:.4f} "
-          f"on {n} {a['data']} test images")
+          f"on the {a['data']} test split")
     return top1
 
 
@@ -506,16 +502,16 @@ class Ranks:
 def main(args: Args):
     if args.eval_only:
         return eval_checkpoint(args)
-    ranks = Ranks(args.device if not args.eval_only else "cpu")
+    validate(args)
+    ranks = Ranks(args.device)
     try:
-        with (nullcontext() if ranks.main else contextlib.redirect_stdout(open(os.devnull, "w"))):
+        with (nullcontext() if ranks.main else redirect_stdout(open(os.devnull, "w"))):
             return train(args, ranks)
     finally:
         ranks.close()
 
 
 def train(args, ranks):
-    validate(args, ranks.world)
     ckpt = load_resume(args) if args.resume else None
     device = ranks.device
     out = run_dir(args)

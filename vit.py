@@ -320,12 +320,17 @@ def read(path):
         raise WeightsError(f"{path!r} is not a readable torch file ({type(e).__name__})") from None
 
 
-def load(path):
-    """A model trained by train.py, rebuilt with its per-block shapes from its checkpoint, in eval mode."""
+def read_checkpoint(path):
+    """One of train.py's checkpoints (a dict), or fail with one line."""
     ckpt = read(path)
     if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
         raise WeightsError(f"{path!r} is not a checkpoint of this project")
-    return from_checkpoint(ckpt).eval()
+    return ckpt
+
+
+def load(path):
+    """A model trained by train.py, rebuilt with its per-block shapes from its checkpoint, in eval mode."""
+    return from_checkpoint(read_checkpoint(path)).eval()
 
 
 def load_pretrained(source, num_heads=None):
