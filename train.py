@@ -73,7 +73,8 @@ class Args:
     """fraction of training after which the topology is frozen"""
     churn: float = 0.5
     """barter/masked: fraction of each unit budget moved over the whole run (all updates together, cosine-
-    decayed); the fraction per update is derived from it"""
+    decayed); the fraction per update is derived from it. Fine-tuning wants 0.1: a pretrained unit
+    moved is knowledge lost (measured in the README)"""
     alpha0: float = 0.25
     """rigl/set: fraction of each layer's weights moved at the first update (RigL's alpha), cosine-decayed
     to zero at --end-frac"""
