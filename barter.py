@@ -267,7 +267,7 @@ class Barter:
         """Slice the dense model to the units `keep` ({kind: [indices per block]}; default: the first
         units of a dense init, uniform over depth). The masked baseline keeps the same units, so both
         start from the identical function."""
-        plan = keep or {k: [torch.arange(n) for n in uniform(self.budget[k], self.model.cfg.depth)] for k in KINDS}
+        plan = keep or initial_units(self.model, "first", self.budget, self.lo, self.hi)
         resize(self.model, None, plan["heads"], plan["mlp"])
         self.fresh = {k: [torch.zeros(n, dtype=torch.bool) for n in self.model.counts(k)] for k in KINDS}
         self.reset_stats()

@@ -211,7 +211,7 @@ class ViT(nn.Module):
 
     def features(self, img):
         """What the classifier head reads: the normalised class token (B, D)."""
-        return F.layer_norm(self.trunk(img), self.norm.normalized_shape, self.norm.weight, self.norm.bias, self.norm.eps)
+        return self.norm(self.trunk(img))
 
     def forward(self, img):
         return norm_linear(self.trunk(img), self.norm, self.head)  # (B, classes)
