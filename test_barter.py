@@ -26,6 +26,7 @@ from baselines import BiDST, Masked, Unstructured, erk_densities
 import vit
 from vit import PRESETS, ViT, from_torchvision, leaf
 
+REPO = os.path.dirname(os.path.abspath(__file__))  # the CLIs run from here
 CFG = PRESETS["micro"]  # 3 blocks, dim 32, 4 heads of 8, 64 MLP channels
 HD = CFG.head_dim
 # the tests marked with DEVICES also run on a GPU where there is one (`pytest -k cuda` picks those);
@@ -661,7 +662,7 @@ def test_bad_resume_files(tmp_path):
 
 def test_cli_bad_value_exits_with_one_line(tmp_path):
     r = subprocess.run([sys.executable, "train.py", "--dense-frac", "2", "--data", "synthetic"],
-                       capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+                       capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 2 and r.stderr.strip() == "error: --dense-frac must be in (0, 1], got 2.0"
 
 
@@ -670,7 +671,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     cmd = [sys.executable, "train.py", "--model", "micro", "--data", "synthetic", "--epochs", "500",
            "--batch-size", "64", "--device", "cpu", "--out-dir", str(out)]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         cwd=os.path.dirname(os.path.abspath(__file__)))
+                         cwd=REPO)
     deadline = time.time() + 120
     while not (out / "checkpoint.pt").exists() and time.time() < deadline and p.poll() is None:
         time.sleep(0.2)  # wait for the first epoch's checkpoint: training is under way
@@ -905,14 +906,13 @@ def test_failed_data_leaves_no_run_folder(tmp_path, monkeypatch):
 
 
 def test_static_trains_with_no_topology_update(tmp_path):
-    repo = os.path.dirname(os.path.abspath(__file__))
     logs = {}
     for method in ("static", "barter"):  # barter with the same arguments does move units
         out = tmp_path / method
         r = subprocess.run([sys.executable, "train.py", "--method", method, "--model", "micro", "--data", "synthetic",
                             "--epochs", "1", "--max-steps", "30", "--update-every", "10", "--warmup-epochs", "0",
                             "--batch-size", "64", "--dense-frac", "0.3", "--device", "cpu", "--out-dir", str(out)],
-                           capture_output=True, text=True, cwd=repo)
+                           capture_output=True, text=True, cwd=REPO)
         assert r.returncode == 0, r.stderr
         logs[method] = read_log(out)
     assert not [r for r in logs["static"] if r["type"] == "update"]
@@ -1017,10 +1017,9 @@ def test_plot_bench_and_bad_inputs(two_runs, tmp_path):
     res = bench.main(bench.Args(models=("micro",), densities=(0.3, 0.5), steps=1, rounds=1, warmup=0,
                                 device="cpu", memory=False, out=str(tmp_path / "bench.json")))
     assert {r["method"] for r in res["rows"]} == {"dense", "masked", "rigl", "barter"}
-    repo = os.path.dirname(os.path.abspath(__file__))
 
     def plot(*paths):
-        return subprocess.run([sys.executable, "plot.py", *map(str, paths)], capture_output=True, text=True, cwd=repo)
+        return subprocess.run([sys.executable, "plot.py", *map(str, paths)], capture_output=True, text=True, cwd=REPO)
 
     r = plot(tmp_path / "bench.json", "-o", tmp_path / "bench.png")
     assert r.returncode == 0, r.stderr
@@ -1100,16 +1099,15 @@ def test_pos_embed_resampling_matches_timm():
 def test_bad_weight_files_fail_with_one_line(tmp_path):
     (tmp_path / "junk.pt").write_bytes(b"no")
     torch.save({"conv1.weight": torch.zeros(2)}, tmp_path / "resnet.pt")
-    repo = os.path.dirname(os.path.abspath(__file__))
     for path, says in ((tmp_path / "junk.pt", "not a readable torch file"), (tmp_path / "resnet.pt", "accepted:"),
                        (tmp_path / "missing.pt", "no such file")):
         r = subprocess.run([sys.executable, "train.py", "--pretrained", str(path), "--data", "synthetic",
-                            "--out-dir", str(tmp_path / "run")], capture_output=True, text=True, cwd=repo)
+                            "--out-dir", str(tmp_path / "run")], capture_output=True, text=True, cwd=REPO)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr, r.stderr
         assert not (tmp_path / "run").exists()
     for path, says in ((tmp_path / "junk.pt", "not a readable torch file"), (tmp_path / "resnet.pt", "not a checkpoint")):
         r = subprocess.run([sys.executable, "train.py", "--eval-only", "--resume", str(path)],
-                           capture_output=True, text=True, cwd=repo)
+                           capture_output=True, text=True, cwd=REPO)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr, r.stderr
 
 
@@ -1211,7 +1209,7 @@ def test_load_rebuilds_a_trained_compact_model_in_a_fresh_process(tmp_path):
     torch.save(x, tmp_path / "x.pt")
     code = ("import torch, vit; m = vit.load(%r); assert not m.training; "
             "torch.save(m(torch.load(%r)), %r); print(m.counts('heads'), m.counts('mlp'))") % (path, str(tmp_path / "x.pt"), str(tmp_path / "y.pt"))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"{model.counts('heads')} {model.counts('mlp')}"
     with torch.no_grad():
@@ -1222,7 +1220,6 @@ def test_load_rebuilds_a_trained_compact_model_in_a_fresh_process(tmp_path):
 
 # ---- issue 11: torchrun / DDP, topology in lockstep on every rank ----------------------------------
 
-REPO = os.path.dirname(os.path.abspath(__file__))
 DDP_ARGS = ["--model", "micro", "--data", "synthetic", "--update-every", "10", "--warmup-epochs", "0",
             "--batch-size", "64", "--dense-frac", "0.3", "--device", "cpu"]
 
