@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
-from barter import KINDS, Barter, all_mean, select, taylor_scores, uniform, unit_budgets, round_half_up
+from barter import KINDS, Barter, all_mean, exchange, select, taylor_scores, uniform, unit_budgets, round_half_up
 from vit import leaf, per_row
 
 
@@ -125,10 +125,12 @@ class MaskedMethod:
 class Masked(MaskedMethod):
     name = "masked"
 
-    def __init__(self, model, schedule, dense_frac=0.1, head_frac=None, mlp_frac=None, seed=0):
+    def __init__(self, model, schedule, dense_frac=0.1, head_frac=None, mlp_frac=None, seed=0, trade=True):
         super().__init__(model, schedule, seed)
         cfg = model.cfg
         self.budget, self.lo, self.hi = unit_budgets(cfg, dense_frac, head_frac, mlp_frac)
+        self.rate, self.trade = 2 * cfg.head_dim, trade
+        self.weights = self.budget["heads"] * self.rate + self.budget["mlp"]
         dense = {"heads": cfg.num_heads, "mlp": cfg.mlp_hidden}
         # the same first units as BARTER's compact init: both start from the identical function
         self.active = {k: [torch.arange(dense[k]) < n for n in uniform(self.budget[k], cfg.depth)] for k in KINDS}
@@ -204,10 +206,9 @@ class Masked(MaskedMethod):
     def after_step(self, optimizer, t):
         if not self.schedule.is_update(t):
             return None
-        t0, alpha, moved = time.perf_counter(), self.schedule.alpha(t), {}
+        t0, alpha, moved, prune, grow = time.perf_counter(), self.schedule.alpha(t), {}, {}, {}
         for kind in KINDS:
-            k = round_half_up(alpha * self.budget[kind])
-            prune, grow = [], []
+            prune[kind], grow[kind] = [], []
             for i, blk in enumerate(self.model.blocks):
                 n, w, _ = blk.units(kind)
                 (mod, attr, dim, seg), = self.masks_of(i, kind, "out")
@@ -218,10 +219,20 @@ class Masked(MaskedMethod):
                 for u in range(n):
                     if active[u]:
                         if not fresh[u]:
-                            prune.append((acc[u], i, u))
+                            prune[kind].append((acc[u], i, u))
                     else:
-                        grow.append((gs[u], i, u))
-            P, G = select(self.counts(kind), self.lo[kind], self.hi[kind], prune, grow, k)
+                        grow[kind].append((gs[u], i, u))
+        # BARTER's trade of a head's worth of weights between the kinds, by the same prune scores
+        trade = exchange([c[0] for c in prune["heads"]], [c[0] for c in prune["mlp"]], self.rate) if self.trade else 0
+        while True:
+            net = {"heads": -trade, "mlp": trade * self.rate}
+            sel = {k: select(self.counts(k), self.lo[k], self.hi[k], prune[k], grow[k],
+                             round_half_up(alpha * self.budget[k]), net[k]) for k in KINDS}
+            if all(v is not None for v in sel.values()):
+                break
+            trade = 0
+        for kind in KINDS:
+            P, G = sel[kind]
             self.fresh[kind] = [torch.zeros_like(a) for a in self.active[kind]]
             for i, u in P:
                 self.active[kind][i][u] = False
@@ -229,6 +240,7 @@ class Masked(MaskedMethod):
                 self.active[kind][i][u] = True
                 self.fresh[kind][i][u] = True
             moved[kind] = len(P)
+            self.budget[kind] -= net[kind]
         for i, blk in enumerate(self.model.blocks):  # grown units keep their drawn input side
             for kind in KINDS:
                 for mod, attr, dim, seg in self.masks_of(i, kind, "in") + self.masks_of(i, kind, "out"):
@@ -242,16 +254,19 @@ class Masked(MaskedMethod):
         self.check_zero(optimizer)
         for kind in KINDS:
             assert sum(self.counts(kind)) == self.budget[kind], f"{kind} budget broken"
+        assert self.budget["heads"] * self.rate + self.budget["mlp"] == self.weights, "weight budget broken"
         self.reset_stats()
-        return {"step": t, "alpha": round(alpha, 4), "moved": moved,
+        return {"step": t, "alpha": round(alpha, 4), "moved": moved, "traded": trade,
                 "counts": {k: self.counts(k) for k in KINDS}, "seconds": time.perf_counter() - t0}
 
     def state_dict(self):
-        return {**self.base_state(), "active": self.active, "fresh": self.fresh, "acc": self.acc, "nacc": self.nacc}
+        return {**self.base_state(), "active": self.active, "fresh": self.fresh, "acc": self.acc, "nacc": self.nacc,
+                "budget": self.budget}
 
     def load_state_dict(self, sd):
         self.load_base_state(sd)
         self.active, self.fresh, self.nacc = sd["active"], sd["fresh"], sd["nacc"]
+        self.budget = dict(sd.get("budget", {k: sum(self.counts(k)) for k in KINDS}))
         dev = self.model.head.weight.device
         self.acc = {k: [a.to(dev) for a in v] for k, v in sd["acc"].items()}
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import barter
 import data
 import train
 from barter import Barter, Schedule, resize, taylor_scores, unit_budgets
@@ -360,27 +361,39 @@ def test_gate_taylor_equals_gate_gradient():
 
 # ---- issue 2, test 5: hundreds of random updates keep budgets and bounds ----------------------
 
-@pytest.mark.parametrize("frac", [0.2, 0.5])  # 0.2: 2 heads over 3 blocks (min 0); 0.5: min 1 head
-def test_random_updates_keep_budgets_exact(frac):
+@pytest.mark.parametrize("frac,split", [(0.2, True), (0.2, False), (0.5, False)])
+def test_random_updates_keep_budgets_exact(frac, split):
+    """split: heads and channels given as two densities, so no block-floor transfer and (at 0.2) 2
+    heads over 3 blocks with a minimum of 0. Otherwise 0.2 gives every block a head (3 heads, 38 - 16
+    channels). Heads and channels trade, but the weights they hold together stay exact."""
     m = micro(dtype=torch.float32)
     sched = Schedule(total_steps=10**6, update_every=1, alpha0=0.5, end_frac=1.0)
-    b = Barter(m, sched, dense_frac=frac, seed=0)
+    kw = {"head_frac": frac, "mlp_frac": frac} if split else {}
+    b = Barter(m, sched, dense_frac=frac, seed=0, **kw)
     b.init_model()
     opt = train.make_optimizer(m, 1e-3, 0.05)
     g = torch.Generator().manual_seed(0)
     B_h, B_f = round(frac * 12 + 1e-9), round(frac * 192 + 1e-9)
+    lo_h = 1 if B_h >= 3 else 0
+    if not split and B_h < 3:
+        B_h, B_f, lo_h = 3, B_f - (3 - B_h) * 16, 1  # a micro head (head_dim 8) weighs 16 channels
     lo_f = int(0.2 * B_f / 3)
-    moved = 0
+    rate = 2 * m.cfg.head_dim
+    moved, trades = 0, set()
     for t in range(1, 301):
-        b.acc = {k: [torch.rand(n, generator=g) for n in m.counts(k)] for k in ("heads", "mlp")}
+        head_scale = 30.0 if t % 3 == 0 else 1.0  # so that heads also look worth their weight at times
+        b.acc = {k: [torch.rand(n, generator=g) * (head_scale if k == "heads" else 1) for n in m.counts(k)]
+                 for k in ("heads", "mlp")}
         b.nacc = 1
         rec = b.update(opt, int(torch.randint(1, 10**6, (1,), generator=g)))
         moved += rec["moved"]["mlp"]
+        trades.add(rec["traded"])
         h, f = m.counts("heads"), m.counts("mlp")
-        assert sum(h) == B_h and sum(f) == B_f
-        assert all((1 if B_h >= 3 else 0) <= n <= 4 for n in h) and all(lo_f <= n <= 64 for n in f)
+        assert sum(h) * rate + sum(f) == B_h * rate + B_f
+        assert all(lo_h <= n <= 4 for n in h) and all(lo_f <= n <= 64 for n in f)
         assert rec["counts"] == {"heads": h, "mlp": f}
-    assert moved > 0
+        assert [p.shape[0] for p in (blk.attn.qkv.weight for blk in m.blocks)] == [3 * 8 * n for n in h]
+    assert moved > 0 and trades - {0}  # some update traded heads for channels or back
     train_x, train_y = batch(dtype=torch.float32)
     F.cross_entropy(m(train_x), train_y).backward()  # still a working model
     opt.step()
@@ -388,11 +401,33 @@ def test_random_updates_keep_budgets_exact(frac):
 
 def test_budget_rounding_and_errors():
     budget, lo, hi = unit_budgets(PRESETS["cifar-tiny"], 0.1)
+    # 12 heads would take more than half of the channels: no block floor, blocks may have no head
     assert budget == {"heads": 4, "mlp": 922} and lo["heads"] == [0] * 12 and hi["mlp"] == [768] * 12
+    cfg = PRESETS["tiny-28"]  # 6 blocks of 6 heads (head_dim 12) and 288 channels
+    budget, lo, hi = unit_budgets(cfg, 0.1)
+    assert budget == {"heads": 6, "mlp": 173 - 2 * 24} and lo["heads"] == [1] * 6
+    same = barter.weight_density(cfg, [1] * 6, [125 // 6] * 5 + [125 - 5 * (125 // 6)])
+    assert same == barter.weight_density(cfg, [1, 1, 1, 1, 0, 0], [173 // 6] * 5 + [173 - 5 * (173 // 6)])
+    assert unit_budgets(cfg, 0.1, head_frac=0.1, mlp_frac=0.1)[0] == {"heads": 4, "mlp": 173}
     with pytest.raises(ValueError):
         unit_budgets(PRESETS["micro"], 0.01)  # no head left
     with pytest.raises(ValueError):
         unit_budgets(PRESETS["micro"], 1.5)
+
+
+def test_select_and_exchange():
+    # the weakest head (0.1) costs more than two channels' worth of the weakest channels (0.03): trade
+    assert barter.exchange([0.5, 0.1], [0.01, 0.02, 1.0], rate=2) == 1
+    assert barter.exchange([0.01], [1.0, 1.0, 0.5], rate=2) == -1
+    assert barter.exchange([0.1], [0.04, 0.05], rate=2) == 0  # within the margin
+    assert barter.exchange([], [0.1, 0.1], rate=2) == 0 and barter.exchange([1.0], [0.1], rate=2) == 0
+    cand = [(0.3, 0, 0), (0.1, 0, 1), (0.2, 1, 0), (0.9, 1, 1), (0.5, 1, 2)]
+    P, G = barter.select([2, 3], [1, 1], [4, 4], cand, cand, k=1, net=1)  # 2 prunes, 1 clone
+    assert P == [(0, 1), (1, 0)] and G == [(1, 1)]
+    P, G = barter.select([2, 3], [1, 1], [4, 4], cand, cand, k=0, net=-2)  # 2 clones, no prune
+    assert P == [] and G == [(1, 1), (0, 0)]  # block 1 is full (4) after its first clone
+    assert barter.select([2, 3], [1, 1], [2, 3], cand, cand, k=0, net=-1) is None  # every block full
+    assert barter.select([1, 1], [1, 1], [4, 4], cand, cand, k=0, net=1) is None  # every block at its floor
 
 
 # ---- issue 2, test 6: our ViT == torchvision's VisionTransformer ------------------------------
@@ -434,7 +469,8 @@ def test_barter_trains_moves_units_and_is_deterministic():
     assert len(recs) >= 4
     start = {"heads": [2, 1, 1], "mlp": [20, 19, 19]}  # uniform allocation of 4 heads, 58 channels
     assert any(r["counts"] != start for r in recs), "no unit moved between blocks"
-    assert all(sum(r["counts"]["heads"]) == 4 and sum(r["counts"]["mlp"]) == 58 for r in recs)
+    # heads and channels may trade, a micro head (head_dim 8) for 16 channels: the weights stay exact
+    assert all(16 * sum(r["counts"]["heads"]) + sum(r["counts"]["mlp"]) == 16 * 4 + 58 for r in recs)
     m2, _, _, losses2, recs2 = run("barter")
     assert losses == losses2 and recs2[-1]["counts"] == recs[-1]["counts"]
     for p, q in zip(m.parameters(), m2.parameters()):
@@ -499,7 +535,7 @@ def test_structured_density_from_masks():
         heads_on = int(proj[0].view(4, HD)[:, 0].sum())
         assert heads_on == meth.counts("heads")[i]
         assert int(b.mlp.fc1.parametrizations.weight[0].mask[:, 0].sum()) == meth.counts("mlp")[i]
-    assert sum(meth.counts("heads")) == 4 and sum(meth.counts("mlp")) == 58
+    assert 16 * sum(meth.counts("heads")) + sum(meth.counts("mlp")) == 16 * 4 + 58  # heads and channels trade
     expect = (4 * 4 * 32 * HD + 58 * 2 * 32) / (3 * (4 * 32 * 32 + 2 * 32 * 64))
     assert meth.density() == pytest.approx(expect, abs=1e-12)
 
@@ -1292,7 +1328,8 @@ import os, sys
 sys.path.insert(0, {REPO!r})
 import barter, train, tyro
 if os.environ["RANK"] == "1":  # this rank's plan moves nothing: the ranks disagree
-    barter.select = lambda counts, lo, hi, prune, grow, k: ([], [])
+    barter.select = lambda counts, lo, hi, prune, grow, k, net=0: ([], [])
+    barter.exchange = lambda *a, **kw: 0
 train.main(tyro.cli(train.Args))
 """)
     rc, out, err = torchrun(*DDP_ARGS, "--epochs", "1", "--max-steps", "40", "--out-dir", tmp_path / "run", script=script)

@@ -80,6 +80,9 @@ class Args:
     to zero at --end-frac"""
     grow: Literal["clone", "fresh"] = "clone"
     """barter: a grown unit is a split of a strong unit (clone) or a new unit with a zero output side (fresh)"""
+    trade: bool = True
+    """barter/masked: at each update a head's worth of weights may move between heads and MLP channels
+    (by the same scores), the weight density fixed; --no-trade keeps both unit budgets fixed"""
     distribution: Literal["erk", "uniform"] = "erk"
     """layer densities for rigl/set"""
     seed: int = 0
@@ -201,11 +204,13 @@ def load_resume(args):
     return ckpt
 
 
-def make_method(name, model, schedule, dense_frac, head_frac=None, mlp_frac=None, distribution="erk", seed=0, grow="clone"):
+def make_method(name, model, schedule, dense_frac, head_frac=None, mlp_frac=None, distribution="erk", seed=0, grow="clone",
+                trade=True):
     if name in ("barter", "static"):
-        return (Barter if name == "barter" else Static)(model, schedule, dense_frac, head_frac, mlp_frac, seed=seed, grow=grow)
+        return (Barter if name == "barter" else Static)(model, schedule, dense_frac, head_frac, mlp_frac, seed=seed, grow=grow,
+                                                         trade=trade)
     if name == "masked":
-        return Masked(model, schedule, dense_frac, head_frac, mlp_frac, seed=seed)
+        return Masked(model, schedule, dense_frac, head_frac, mlp_frac, seed=seed, trade=trade)
     if name in ("rigl", "set"):
         return Unstructured(model, schedule, dense_frac, "gradient" if name == "rigl" else "random", distribution, seed)
     if name == "bidst":
@@ -440,7 +445,7 @@ def build(args, ckpt, device, amp, ranks=None):
     schedule = Schedule(args.epochs * spe, args.update_every, args.alpha0, args.end_frac, start=args.warmup_epochs * spe,
                         churn=args.churn if args.method in ("barter", "masked") else None)
     method = make_method(args.method, model, schedule, args.dense_frac, args.head_frac, args.mlp_frac,
-                         args.distribution, args.seed, args.grow)
+                         args.distribution, args.seed, args.grow, args.trade)
     if ckpt is None:
         method.init_model(**init_kw)
     if init_rec:
