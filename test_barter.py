@@ -943,15 +943,22 @@ def test_failed_data_leaves_no_run_folder(tmp_path, monkeypatch):
 
 def test_static_trains_with_no_topology_update(tmp_path):
     logs = {}
-    for method in ("static", "barter"):  # barter with the same arguments does move units
+    for method, extra in (("static", []), ("barter", []), ("no-trade", ["--no-trade"])):  # barter does move units
         out = tmp_path / method
-        r = subprocess.run([sys.executable, "train.py", "--method", method, "--model", "micro", "--data", "synthetic",
+        r = subprocess.run([sys.executable, "train.py", "--method", method.replace("no-trade", "barter"), *extra,
+                            "--model", "micro", "--data", "synthetic",
                             "--epochs", "1", "--max-steps", "30", "--update-every", "10", "--warmup-epochs", "0",
                             "--batch-size", "64", "--dense-frac", "0.3", "--device", "cpu", "--out-dir", str(out)],
                            capture_output=True, text=True, cwd=REPO)
         assert r.returncode == 0, r.stderr
         logs[method] = read_log(out)
     assert not [r for r in logs["static"] if r["type"] == "update"]
+    fixed = [r for r in logs["no-trade"] if r["type"] == "update"]
+    assert len(fixed) == 3 and all(r["traded"] == 0 and sum(r["counts"]["heads"]) == 4 and sum(r["counts"]["mlp"]) == 58
+                                   for r in fixed)
+    line = train.show_counts({"step": 5, "moved": {"heads": 0, "mlp": 16}, "traded": 1,
+                              "counts": {"heads": [2, 2], "mlp": [9, 9]}}, {"heads": [2, 1], "mlp": [17, 17]})
+    assert line == "step 5: moved 0 heads, 16 mlp, channels traded for a head | heads 2 2(+1) | mlp 9(-8) 9(-8)"
     assert [r["step"] for r in logs["barter"] if r["type"] == "update"] == [10, 20, 30]
     start, summary = logs["static"][0], logs["static"][-1]
     assert start["type"] == "start" and summary["type"] == "summary"

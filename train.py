@@ -268,6 +268,8 @@ def show_counts(rec, prev):
         old = prev.get(kind, c)
         parts.append(kind + " " + " ".join(f"{n}({n - o:+d})" if n != o else str(n) for n, o in zip(c, old)))
     moved = ", ".join(f"{v} {k}" for k, v in rec["moved"].items())
+    if rec.get("traded"):
+        moved += ", channels traded for a head" if rec["traded"] > 0 else ", a head traded for channels"
     return f"step {rec['step']}: moved {moved}" + (" | " + " | ".join(parts) if parts else "")
 
 
