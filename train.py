@@ -502,8 +502,10 @@ class Ranks:
             raise RuntimeError(f"ranks disagree on the units after the update at step {step}: " +
                                "; ".join(f"rank {r}: {c}" for r, c in enumerate(every)))
 
-    def close(self):
+    def close(self, finished=True):
         if self.owns_group:
+            if finished:  # no rank tears its group down while a peer's last collective is in flight
+                dist.barrier()  # (seen: gloo aborting a rank at exit, "terminate called without an active exception")
             dist.destroy_process_group()
 
 
@@ -514,9 +516,12 @@ def main(args: Args):
     ranks = Ranks(args.device)
     try:
         with (nullcontext() if ranks.main else redirect_stdout(open(os.devnull, "w"))):
-            return train(args, ranks)
-    finally:
-        ranks.close()
+            out = train(args, ranks)
+    except BaseException:
+        ranks.close(finished=False)  # a failed rank must not wait for peers that will never come
+        raise
+    ranks.close()
+    return out
 
 
 def train(args, ranks):
