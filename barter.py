@@ -244,6 +244,20 @@ def exchange(head_scores, channel_scores, rate, margin=2.0):
     return 1 if margin * channels < head else -1 if margin * head < channels else 0
 
 
+def choose(counts, lo, hi, prune, grow, budget, alpha, rate, trade=True):
+    """One update's choice for both kinds ({kind: ...} everywhere): the trade, then per kind the
+    alpha share of its budget swapped plus the trade's net change. Returns ({kind: (P, G)}, {kind:
+    units given up}, trade); a trade that does not fit the block bounds is dropped."""
+    t = exchange([c[0] for c in prune["heads"]], [c[0] for c in prune["mlp"]], rate) if trade else 0
+    while True:
+        net = {"heads": -t, "mlp": t * rate}
+        sel = {k: select(counts[k], lo[k], hi[k], prune[k], grow[k], round_half_up(alpha * budget[k]), net[k])
+               for k in KINDS}
+        if all(v is not None for v in sel.values()):
+            return sel, net, t
+        t = 0
+
+
 # ----------------------------------------------------------------------------------------------
 # the method
 
@@ -333,14 +347,8 @@ class Barter:
             exempt = {(b, u) for b, f in enumerate(self.fresh[kind]) for u in f.nonzero().flatten().tolist()}
             prune[kind] = [c for c in grow[kind] if (c[1], c[2]) not in exempt]
         # one head's worth of weights may change kind (heads <-> channels) on top of the swaps
-        trade = exchange([c[0] for c in prune["heads"]], [c[0] for c in prune["mlp"]], self.rate) if self.trade else 0
-        while True:
-            net = {"heads": -trade, "mlp": trade * self.rate}  # units each kind gives up
-            sel = {k: select(self.model.counts(k), self.lo[k], self.hi[k], prune[k], grow[k],
-                             round_half_up(alpha * self.budget[k]), net[k]) for k in KINDS}
-            if all(v is not None for v in sel.values()):
-                break
-            trade = 0  # the block bounds leave no room for it: swaps only
+        sel, net, trade = choose({k: self.model.counts(k) for k in KINDS}, self.lo, self.hi, prune, grow,
+                                 self.budget, alpha, self.rate, self.trade)
         for kind in KINDS:
             P, G = sel[kind]
             pruned = set(P)

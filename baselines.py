@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
-from barter import KINDS, Barter, all_mean, exchange, select, taylor_scores, uniform, unit_budgets, round_half_up
+from barter import KINDS, Barter, all_mean, choose, round_half_up, taylor_scores, uniform, unit_budgets
 from vit import leaf, per_row
 
 
@@ -222,15 +222,9 @@ class Masked(MaskedMethod):
                             prune[kind].append((acc[u], i, u))
                     else:
                         grow[kind].append((gs[u], i, u))
-        # BARTER's trade of a head's worth of weights between the kinds, by the same prune scores
-        trade = exchange([c[0] for c in prune["heads"]], [c[0] for c in prune["mlp"]], self.rate) if self.trade else 0
-        while True:
-            net = {"heads": -trade, "mlp": trade * self.rate}
-            sel = {k: select(self.counts(k), self.lo[k], self.hi[k], prune[k], grow[k],
-                             round_half_up(alpha * self.budget[k]), net[k]) for k in KINDS}
-            if all(v is not None for v in sel.values()):
-                break
-            trade = 0
+        # BARTER's choice, trade included, by the same prune scores; growth by the dense gradient
+        sel, net, trade = choose({k: self.counts(k) for k in KINDS}, self.lo, self.hi, prune, grow,
+                                 self.budget, alpha, self.rate, self.trade)
         for kind in KINDS:
             P, G = sel[kind]
             self.fresh[kind] = [torch.zeros_like(a) for a in self.active[kind]]
