@@ -261,6 +261,12 @@ def choose(counts, lo, hi, prune, grow, budget, alpha, rate, trade=True):
 # ----------------------------------------------------------------------------------------------
 # the method
 
+def channels_per_head(cfg):
+    """How many MLP channels weigh as much as one head: a head's qkv rows and proj columns hold
+    4 * dim * head_dim weights, a channel's fc1 row and fc2 column 2 * dim."""
+    return 2 * cfg.head_dim
+
+
 def unit_budgets(cfg, dense_frac, head_frac=None, mlp_frac=None):
     """Global budgets B = round(d * L * dense units) and per-block bounds, for heads and channels."""
     L = cfg.depth
@@ -277,7 +283,7 @@ def unit_budgets(cfg, dense_frac, head_frac=None, mlp_frac=None):
     # as 2 * head_dim channels' fc1 + fc2), so the weight density stays d; only if that costs at
     # most half the channels, and only when one density sets both budgets. tiny-28, Fashion-MNIST,
     # d = 0.1 (README): 4 heads + 173 channels 0.8502, 6 + 125 0.8606, 2 + 221 0.8303 (3 seeds).
-    extra, per_head = L - budget["heads"], 2 * cfg.head_dim
+    extra, per_head = L - budget["heads"], channels_per_head(cfg)
     if head_frac is None and mlp_frac is None and extra > 0 and extra * per_head <= budget["mlp"] / 2:
         budget = {"heads": L, "mlp": budget["mlp"] - extra * per_head}
     for kind, B in budget.items():
@@ -300,7 +306,7 @@ class Barter:
         if grow not in ("clone", "fresh"):
             raise ValueError(f"grow must be 'clone' or 'fresh', got {grow!r}")
         self.budget, self.lo, self.hi = unit_budgets(model.cfg, dense_frac, head_frac, mlp_frac)
-        self.rate = 2 * model.cfg.head_dim  # channels that weigh as much as one head (see exchange)
+        self.rate = channels_per_head(model.cfg)
         self.weights = self.budget["heads"] * self.rate + self.budget["mlp"]  # fixed: the weight density
         self.model, self.schedule, self.eps, self.grow, self.trade = model, schedule, eps, grow, trade
         self.gen = torch.Generator().manual_seed(seed)

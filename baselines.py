@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
-from barter import KINDS, Barter, all_mean, choose, round_half_up, taylor_scores, uniform, unit_budgets
+from barter import KINDS, Barter, all_mean, channels_per_head, choose, round_half_up, taylor_scores, uniform, unit_budgets
 from vit import leaf, per_row
 
 
@@ -129,7 +129,7 @@ class Masked(MaskedMethod):
         super().__init__(model, schedule, seed)
         cfg = model.cfg
         self.budget, self.lo, self.hi = unit_budgets(cfg, dense_frac, head_frac, mlp_frac)
-        self.rate, self.trade = 2 * cfg.head_dim, trade
+        self.rate, self.trade = channels_per_head(cfg), trade
         self.weights = self.budget["heads"] * self.rate + self.budget["mlp"]
         dense = {"heads": cfg.num_heads, "mlp": cfg.mlp_hidden}
         # the same first units as BARTER's compact init: both start from the identical function
