@@ -3,8 +3,9 @@ BARTER: structured dynamic sparse training that keeps every tensor compact.
 
 The ViT really has fewer heads and MLP channels. Every `update_every` steps BARTER ranks the units
 that exist by their gate-Taylor score, PRUNES the k weakest and CLONES the k strongest (Net2Net
-split), under two fixed global budgets (heads, channels). `resize` slices the tensors and remaps the
-optimizer state with the same indices, so the next step runs dense kernels on a smaller model.
+split), under a fixed global budget of weights that heads and channels share (a head may be traded
+for its weight in channels, or back). `resize` slices the tensors and remaps the optimizer state with
+the same indices, so the next step runs dense kernels on a smaller model.
 """
 import math
 import time
@@ -185,9 +186,10 @@ class Schedule:
     churn: Optional[float] = None
 
     def __post_init__(self):
-        if self.churn is not None:
-            shape = sum(self.alpha(t) / self.alpha0 for t in range(self.update_every, self.total_steps + 1, self.update_every)
-                        if self.is_update(t)) if self.alpha0 else 0.0
+        if self.churn is not None:  # the sum of the cosine shape over the updates, whatever alpha0 was
+            self.alpha0 = 1.0
+            shape = sum(self.alpha(t) for t in range(self.update_every, self.total_steps + 1, self.update_every)
+                        if self.is_update(t))
             self.alpha0 = min(1.0, self.churn / shape) if shape else 0.0
 
     def is_update(self, t):
@@ -244,18 +246,33 @@ def exchange(head_scores, channel_scores, rate, margin=2.0):
     return 1 if margin * channels < head else -1 if margin * head < channels else 0
 
 
-def choose(counts, lo, hi, prune, grow, budget, alpha, rate, trade=True):
+def choose(counts, lo, hi, prune, grow, alpha, rate, trade=True):
     """One update's choice for both kinds ({kind: ...} everywhere): the trade, then per kind the
-    alpha share of its budget swapped plus the trade's net change. Returns ({kind: (P, G)}, {kind:
-    units given up}, trade); a trade that does not fit the block bounds is dropped."""
+    alpha share of its units (the kind's budget: the sum of its counts) swapped plus the trade's net
+    change. Returns ({kind: (P, G)}, {kind: units given up}, trade); a trade that does not fit the
+    block bounds is dropped."""
     t = exchange([c[0] for c in prune["heads"]], [c[0] for c in prune["mlp"]], rate) if trade else 0
     while True:
         net = {"heads": -t, "mlp": t * rate}
-        sel = {k: select(counts[k], lo[k], hi[k], prune[k], grow[k], round_half_up(alpha * budget[k]), net[k])
+        sel = {k: select(counts[k], lo[k], hi[k], prune[k], grow[k], round_half_up(alpha * sum(counts[k])), net[k])
                for k in KINDS}
         if all(v is not None for v in sel.values()):
             return sel, net, t
         t = 0
+
+
+def check_units(counts, lo, hi, rate, weights, before=None, net=None):
+    """The invariants after an update ({kind: per-block counts}): every block within its bounds, the
+    weights heads and channels hold together exactly `weights` channels' worth, and, given the counts
+    `before` and the trade's `net`, each kind changed by exactly -net (0 without a trade: unit budgets
+    fixed). A kind's budget is its sum of counts; nothing else holds it."""
+    for kind in KINDS:
+        c = counts[kind]
+        assert all(a <= x <= b for x, a, b in zip(c, lo[kind], hi[kind])), f"{kind} bounds: {c}"
+        if before is not None:
+            assert sum(c) == sum(before[kind]) - net[kind], f"{kind} budget broken: {sum(before[kind])} - {net[kind]} != {sum(c)}"
+    w = sum(counts["heads"]) * rate + sum(counts["mlp"])
+    assert w == weights, f"weight budget broken: {w} != {weights} channels' worth"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -305,9 +322,9 @@ class Barter:
         grow: 'clone' (Net2Net split of a strong unit) or 'fresh' (a new unit, zero output side)."""
         if grow not in ("clone", "fresh"):
             raise ValueError(f"grow must be 'clone' or 'fresh', got {grow!r}")
-        self.budget, self.lo, self.hi = unit_budgets(model.cfg, dense_frac, head_frac, mlp_frac)
+        self.start, self.lo, self.hi = unit_budgets(model.cfg, dense_frac, head_frac, mlp_frac)
         self.rate = channels_per_head(model.cfg)
-        self.weights = self.budget["heads"] * self.rate + self.budget["mlp"]  # fixed: the weight density
+        self.weights = self.start["heads"] * self.rate + self.start["mlp"]  # fixed: the weight density
         self.model, self.schedule, self.eps, self.grow, self.trade = model, schedule, eps, grow, trade
         self.gen = torch.Generator().manual_seed(seed)
         self.reset_stats()
@@ -317,10 +334,11 @@ class Barter:
         """Slice the dense model to the units `keep` ({kind: [indices per block]}; default: the first
         units of a dense init, uniform over depth). The masked baseline keeps the same units, so both
         start from the identical function."""
-        plan = keep or initial_units(self.model, "first", self.budget, self.lo, self.hi)
+        plan = keep or initial_units(self.model, "first", self.start, self.lo, self.hi)
         resize(self.model, None, plan["heads"], plan["mlp"])
         self.fresh = {k: [torch.zeros(n, dtype=torch.bool) for n in self.model.counts(k)] for k in KINDS}
         self.reset_stats()
+        assert all(sum(self.model.counts(k)) == self.start[k] for k in KINDS), "keep breaks the budgets"
         self.check()
 
     def reset_stats(self):
@@ -353,8 +371,8 @@ class Barter:
             exempt = {(b, u) for b, f in enumerate(self.fresh[kind]) for u in f.nonzero().flatten().tolist()}
             prune[kind] = [c for c in grow[kind] if (c[1], c[2]) not in exempt]
         # one head's worth of weights may change kind (heads <-> channels) on top of the swaps
-        sel, net, trade = choose({k: self.model.counts(k) for k in KINDS}, self.lo, self.hi, prune, grow,
-                                 self.budget, alpha, self.rate, self.trade)
+        before = {k: self.model.counts(k) for k in KINDS}
+        sel, net, trade = choose(before, self.lo, self.hi, prune, grow, alpha, self.rate, self.trade)
         for kind in KINDS:
             P, G = sel[kind]
             pruned = set(P)
@@ -365,23 +383,17 @@ class Barter:
                 same = len(parents) == 0 and len(kept) == n
                 plan.append(None if same else torch.tensor(kept + parents, dtype=torch.long))
             plans[kind], moved[kind] = plan, len(P)
-            self.budget[kind] -= net[kind]
         fresh = resize(self.model, optimizer, plans["heads"], plans["mlp"], self.eps, self.gen)
         for kind in KINDS:
             self.fresh[kind] = [f.cpu() if f is not None else torch.zeros(n, dtype=torch.bool)
                                 for f, n in zip(fresh[kind], self.model.counts(kind))]
         self.reset_stats()
-        self.check()
+        self.check(before, net)
         return {"step": t, "alpha": round(alpha, 4), "moved": moved, "traded": trade,
                 "counts": {k: self.model.counts(k) for k in KINDS}, "seconds": time.perf_counter() - t0}
 
-    def check(self):
-        for kind in KINDS:
-            c = self.model.counts(kind)
-            assert sum(c) == self.budget[kind], f"{kind} budget broken: {sum(c)} != {self.budget[kind]}"
-            assert all(lo <= x <= hi for x, lo, hi in zip(c, self.lo[kind], self.hi[kind])), f"{kind} bounds: {c}"
-        w = self.budget["heads"] * self.rate + self.budget["mlp"]
-        assert w == self.weights, f"weight budget broken: {w} != {self.weights} channels' worth"
+    def check(self, before=None, net=None):
+        check_units({k: self.model.counts(k) for k in KINDS}, self.lo, self.hi, self.rate, self.weights, before, net)
 
     def counts(self, kind):
         return self.model.counts(kind)
@@ -390,14 +402,13 @@ class Barter:
         return weight_density(self.model.cfg, self.counts("heads"), self.counts("mlp"))
 
     def state_dict(self):
-        return {"acc": self.acc, "nacc": self.nacc, "fresh": self.fresh, "gen": self.gen.get_state(), "budget": self.budget}
+        return {"acc": self.acc, "nacc": self.nacc, "fresh": self.fresh, "gen": self.gen.get_state()}
 
     def load_state_dict(self, sd):
         dev = self.model.head.weight.device  # a checkpoint is loaded to the CPU
         self.acc = {k: [None if a is None else a.to(dev) for a in v] for k, v in sd["acc"].items()}
         self.nacc, self.fresh = sd["nacc"], sd["fresh"]
         self.gen.set_state(sd["gen"])
-        self.budget = dict(sd.get("budget", {k: sum(self.model.counts(k)) for k in KINDS}))
         self.check()
 
 

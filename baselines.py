@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
-from barter import KINDS, Barter, all_mean, channels_per_head, choose, round_half_up, taylor_scores, uniform, unit_budgets
+from barter import KINDS, Barter, all_mean, channels_per_head, check_units, choose, round_half_up, taylor_scores, uniform, unit_budgets
 from vit import leaf, per_row
 
 
@@ -128,12 +128,12 @@ class Masked(MaskedMethod):
     def __init__(self, model, schedule, dense_frac=0.1, head_frac=None, mlp_frac=None, seed=0, trade=True):
         super().__init__(model, schedule, seed)
         cfg = model.cfg
-        self.budget, self.lo, self.hi = unit_budgets(cfg, dense_frac, head_frac, mlp_frac)
+        self.start, self.lo, self.hi = unit_budgets(cfg, dense_frac, head_frac, mlp_frac)
         self.rate, self.trade = channels_per_head(cfg), trade
-        self.weights = self.budget["heads"] * self.rate + self.budget["mlp"]
+        self.weights = self.start["heads"] * self.rate + self.start["mlp"]
         dense = {"heads": cfg.num_heads, "mlp": cfg.mlp_hidden}
         # the same first units as BARTER's compact init: both start from the identical function
-        self.active = {k: [torch.arange(dense[k]) < n for n in uniform(self.budget[k], cfg.depth)] for k in KINDS}
+        self.active = {k: [torch.arange(dense[k]) < n for n in uniform(self.start[k], cfg.depth)] for k in KINDS}
         for i, blk in enumerate(model.blocks):
             for kind in KINDS:
                 n, w, tensors = blk.units(kind)
@@ -164,7 +164,7 @@ class Masked(MaskedMethod):
                     for mod, attr, *_ in self.model.blocks[i].units(kind)[2]:
                         mod.parametrizations[attr][0].mask.copy_(self.unit_mask(i, kind, mod, attr))
             for kind in KINDS:
-                assert sum(self.counts(kind)) == self.budget[kind], f"{kind}: keep breaks the budget"
+                assert sum(self.counts(kind)) == self.start[kind], f"{kind}: keep breaks the budget"
         self.apply_masks(None)
 
     def reset_stats(self):
@@ -223,8 +223,8 @@ class Masked(MaskedMethod):
                     else:
                         grow[kind].append((gs[u], i, u))
         # BARTER's choice, trade included, by the same prune scores; growth by the dense gradient
-        sel, net, trade = choose({k: self.counts(k) for k in KINDS}, self.lo, self.hi, prune, grow,
-                                 self.budget, alpha, self.rate, self.trade)
+        before = {k: self.counts(k) for k in KINDS}
+        sel, net, trade = choose(before, self.lo, self.hi, prune, grow, alpha, self.rate, self.trade)
         for kind in KINDS:
             P, G = sel[kind]
             self.fresh[kind] = [torch.zeros_like(a) for a in self.active[kind]]
@@ -234,7 +234,6 @@ class Masked(MaskedMethod):
                 self.active[kind][i][u] = True
                 self.fresh[kind][i][u] = True
             moved[kind] = len(P)
-            self.budget[kind] -= net[kind]
         for i, blk in enumerate(self.model.blocks):  # grown units keep their drawn input side
             for kind in KINDS:
                 for mod, attr, dim, seg in self.masks_of(i, kind, "in") + self.masks_of(i, kind, "out"):
@@ -246,21 +245,17 @@ class Masked(MaskedMethod):
                     p.fill, p.capture, p.grad = None, False, None
         self.apply_masks(optimizer)
         self.check_zero(optimizer)
-        for kind in KINDS:
-            assert sum(self.counts(kind)) == self.budget[kind], f"{kind} budget broken"
-        assert self.budget["heads"] * self.rate + self.budget["mlp"] == self.weights, "weight budget broken"
+        check_units({k: self.counts(k) for k in KINDS}, self.lo, self.hi, self.rate, self.weights, before, net)
         self.reset_stats()
         return {"step": t, "alpha": round(alpha, 4), "moved": moved, "traded": trade,
                 "counts": {k: self.counts(k) for k in KINDS}, "seconds": time.perf_counter() - t0}
 
     def state_dict(self):
-        return {**self.base_state(), "active": self.active, "fresh": self.fresh, "acc": self.acc, "nacc": self.nacc,
-                "budget": self.budget}
+        return {**self.base_state(), "active": self.active, "fresh": self.fresh, "acc": self.acc, "nacc": self.nacc}
 
     def load_state_dict(self, sd):
         self.load_base_state(sd)
         self.active, self.fresh, self.nacc = sd["active"], sd["fresh"], sd["nacc"]
-        self.budget = dict(sd.get("budget", {k: sum(self.counts(k)) for k in KINDS}))
         dev = self.model.head.weight.device
         self.acc = {k: [a.to(dev) for a in v] for k, v in sd["acc"].items()}
 

@@ -237,6 +237,8 @@ def test_churn_sets_what_moves_over_the_whole_run():
     steps = [t for t in range(1, 1405) if s.is_update(t)]
     assert steps[0] == 500 and steps[-1] == 1050 and sum(s.alpha(t) for t in steps) == pytest.approx(0.5)
     assert Schedule(1404, 100, alpha0=0.3, start=468).alpha0 == 0.3  # without churn: RigL's alpha0 as given
+    for a0 in (0.0, 0.05, 1.0):  # with churn, alpha0 given does not matter
+        assert Schedule(1404, 50, alpha0=a0, end_frac=0.75, start=468, churn=0.5).alpha0 == s.alpha0
 
 
 # ---- issue 2, test 3: optimizer state is remapped with the same indices ------------------------
@@ -413,6 +415,20 @@ def test_budget_rounding_and_errors():
         unit_budgets(PRESETS["micro"], 0.01)  # no head left
     with pytest.raises(ValueError):
         unit_budgets(PRESETS["micro"], 1.5)
+
+
+def test_check_units_catches_each_broken_invariant():
+    lo, hi = {"heads": [1, 1], "mlp": [2, 2]}, {"heads": [4, 4], "mlp": [8, 8]}
+    before = {"heads": [2, 1], "mlp": [4, 6]}  # 3 heads * 4 + 10 channels = 22 channels' worth
+    barter.check_units(before, lo, hi, 4, 22)
+    traded = {"heads": [2, 2], "mlp": [3, 3]}  # a head bought with 4 channels
+    barter.check_units(traded, lo, hi, 4, 22, before, {"heads": -1, "mlp": 4})
+    for counts, net, weights in [({"heads": [2, 2], "mlp": [3, 3]}, {"heads": 0, "mlp": 0}, 22),  # net not as said
+                                 ({"heads": [3, 0], "mlp": [5, 5]}, {"heads": 0, "mlp": 0}, 22),  # a block below lo
+                                 ({"heads": [2, 1], "mlp": [9, 1]}, {"heads": 0, "mlp": 0}, 22),  # above hi / below lo
+                                 (before, {"heads": 0, "mlp": 0}, 23)]:  # weights not the budget
+        with pytest.raises(AssertionError):
+            barter.check_units(counts, lo, hi, 4, weights, before, net)
 
 
 def test_select_and_exchange():

@@ -386,7 +386,8 @@ def fit_head(model, batches, steps=200):
 
 
 def choose_start(model, args, cfg, batches, amp, new_head):
-    """What init_model needs to start from the pretrained weights, and a record of the choice."""
+    """What init_model needs to start from the pretrained weights, a record of the choice, and mean_loss()
+    over the scoring batches (the record holds it before and after the slicing)."""
     t0 = time.perf_counter()
     if new_head:
         fit_head(model, batches)
@@ -395,9 +396,12 @@ def choose_start(model, args, cfg, batches, amp, new_head):
         with amp:
             return F.cross_entropy(model(x), y, label_smoothing=args.label_smoothing)
 
+    @torch.no_grad()
+    def mean_loss():
+        return sum(float(loss_of(x, y)) for x, y in batches) / len(batches)
+
     rec = {"select": args.select, "batches": len(batches)}
-    with torch.no_grad():
-        rec["loss_dense"] = sum(float(loss_of(x, y)) for x, y in batches) / len(batches)
+    rec["loss_dense"] = mean_loss()
     kw = {}
     if args.method in UNIT_METHODS:
         budget, lo, hi = unit_budgets(cfg, args.dense_frac, args.head_frac, args.mlp_frac)
@@ -405,7 +409,7 @@ def choose_start(model, args, cfg, batches, amp, new_head):
     elif args.method in ("rigl", "set", "bidst"):
         kw["magnitude"] = True  # random masks would throw most of the pretrained function away
     rec["seconds"] = time.perf_counter() - t0
-    return kw, rec, loss_of
+    return kw, rec, mean_loss
 
 
 def eval_checkpoint(args):
@@ -439,7 +443,7 @@ def build(args, ckpt, device, amp, ranks=None):
     if pre:
         model = adapt(pre, cfg, torch.Generator().manual_seed(args.seed)).to(device)
         batches = list(itertools.islice(train_dl.epoch(0), args.init_batches))
-        init_kw, init_rec, loss_of = choose_start(model, args, cfg, batches, amp, base.num_classes != cfg.num_classes)
+        init_kw, init_rec, mean_loss = choose_start(model, args, cfg, batches, amp, base.num_classes != cfg.num_classes)
     else:
         shapes = {"heads": ckpt["heads"], "mlp": ckpt["mlp"]} if ckpt else {}
         model = ViT(cfg, **shapes).to(device)
@@ -451,8 +455,7 @@ def build(args, ckpt, device, amp, ranks=None):
     if ckpt is None:
         method.init_model(**init_kw)
     if init_rec:
-        with torch.no_grad():
-            init_rec["loss_start"] = sum(float(loss_of(x, y)) for x, y in batches) / len(batches)
+        init_rec["loss_start"] = mean_loss()
         print(f"compact start by {args.select} over {len(batches)} batches in {init_rec['seconds']:.1f} s (one-time dense "
               f"cost): loss {init_rec['loss_dense']:.4f} dense -> {init_rec['loss_start']:.4f} at step 0")
     return train_dl, test_dl, cfg, model, method, init_rec
