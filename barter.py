@@ -261,16 +261,19 @@ def choose(counts, lo, hi, prune, grow, alpha, rate, trade=True):
         t = 0
 
 
-def check_units(counts, lo, hi, rate, weights, before=None, net=None):
-    """The invariants after an update ({kind: per-block counts}): every block within its bounds, the
-    weights heads and channels hold together exactly `weights` channels' worth, and, given the counts
-    `before` and the trade's `net`, each kind changed by exactly -net (0 without a trade: unit budgets
-    fixed). A kind's budget is its sum of counts; nothing else holds it."""
+def check_units(counts, lo, hi, rate, weights, before=None, net=None, start=None):
+    """The invariants of a topology ({kind: per-block counts}): every block within its bounds, the
+    weights heads and channels hold together exactly `weights` channels' worth; given the counts
+    `before` an update and its `net`, each kind changed by exactly -net; given `start` (at the start,
+    and always without a trade), each kind holds exactly its start budget. A kind's budget is the sum
+    of its counts; nothing else holds it."""
     for kind in KINDS:
         c = counts[kind]
         assert all(a <= x <= b for x, a, b in zip(c, lo[kind], hi[kind])), f"{kind} bounds: {c}"
         if before is not None:
             assert sum(c) == sum(before[kind]) - net[kind], f"{kind} budget broken: {sum(before[kind])} - {net[kind]} != {sum(c)}"
+        if start is not None:
+            assert sum(c) == start[kind], f"{kind} budget broken: {sum(c)} != {start[kind]}"
     w = sum(counts["heads"]) * rate + sum(counts["mlp"])
     assert w == weights, f"weight budget broken: {w} != {weights} channels' worth"
 
@@ -338,8 +341,7 @@ class Barter:
         resize(self.model, None, plan["heads"], plan["mlp"])
         self.fresh = {k: [torch.zeros(n, dtype=torch.bool) for n in self.model.counts(k)] for k in KINDS}
         self.reset_stats()
-        assert all(sum(self.model.counts(k)) == self.start[k] for k in KINDS), "keep breaks the budgets"
-        self.check()
+        self.check(start=True)
 
     def reset_stats(self):
         self.acc = {k: [None] * self.model.cfg.depth for k in KINDS}
@@ -392,8 +394,9 @@ class Barter:
         return {"step": t, "alpha": round(alpha, 4), "moved": moved, "traded": trade,
                 "counts": {k: self.model.counts(k) for k in KINDS}, "seconds": time.perf_counter() - t0}
 
-    def check(self, before=None, net=None):
-        check_units({k: self.model.counts(k) for k in KINDS}, self.lo, self.hi, self.rate, self.weights, before, net)
+    def check(self, before=None, net=None, start=False):
+        check_units({k: self.model.counts(k) for k in KINDS}, self.lo, self.hi, self.rate, self.weights, before, net,
+                    self.start if start or not self.trade else None)
 
     def counts(self, kind):
         return self.model.counts(kind)

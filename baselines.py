@@ -163,8 +163,7 @@ class Masked(MaskedMethod):
                     self.active[kind][i] = torch.zeros_like(self.active[kind][i]).index_fill_(0, idx.cpu(), True)
                     for mod, attr, *_ in self.model.blocks[i].units(kind)[2]:
                         mod.parametrizations[attr][0].mask.copy_(self.unit_mask(i, kind, mod, attr))
-            for kind in KINDS:
-                assert sum(self.counts(kind)) == self.start[kind], f"{kind}: keep breaks the budget"
+        check_units({k: self.counts(k) for k in KINDS}, self.lo, self.hi, self.rate, self.weights, start=self.start)
         self.apply_masks(None)
 
     def reset_stats(self):
@@ -245,7 +244,8 @@ class Masked(MaskedMethod):
                     p.fill, p.capture, p.grad = None, False, None
         self.apply_masks(optimizer)
         self.check_zero(optimizer)
-        check_units({k: self.counts(k) for k in KINDS}, self.lo, self.hi, self.rate, self.weights, before, net)
+        check_units({k: self.counts(k) for k in KINDS}, self.lo, self.hi, self.rate, self.weights, before, net,
+                    None if self.trade else self.start)
         self.reset_stats()
         return {"step": t, "alpha": round(alpha, 4), "moved": moved, "traded": trade,
                 "counts": {k: self.counts(k) for k in KINDS}, "seconds": time.perf_counter() - t0}

@@ -429,6 +429,9 @@ def test_check_units_catches_each_broken_invariant():
                                  (before, {"heads": 0, "mlp": 0}, 23)]:  # weights not the budget
         with pytest.raises(AssertionError):
             barter.check_units(counts, lo, hi, 4, weights, before, net)
+    barter.check_units(before, lo, hi, 4, 22, start={"heads": 3, "mlp": 10})
+    with pytest.raises(AssertionError):  # at equal weights, but not the start's split (as --no-trade needs)
+        barter.check_units(traded, lo, hi, 4, 22, start={"heads": 3, "mlp": 10})
 
 
 def test_select_and_exchange():
