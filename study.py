@@ -164,11 +164,21 @@ def paired(runs, ref):
     return [r["final_top1"] - by_seed[r["seed"]] for r in runs if r["seed"] in by_seed]
 
 
+def paired_cell(diffs):
+    """'mean +- standard error (min-max)' of paired differences: the seed-to-seed noise that pairing
+    leaves, which a gain has to clear before it means anything."""
+    if len(diffs) < 2:
+        return spread(diffs, "{:+.4f}")
+    se = statistics.stdev(diffs) / len(diffs) ** 0.5
+    return f"{statistics.mean(diffs):+.4f} +- {se:.4f} ({min(diffs):+.4f}-{max(diffs):+.4f})"
+
+
 def tables(a, res, eq=None, chosen=None):
     t = a.train
     lines = [f"Study: `{t.model}` on `{t.data}`, {t.epochs} epochs ({t.warmup_epochs} warmup), "
              f"batch {t.batch_size}, lr {t.lr}, an update every {t.update_every} steps, churn {t.churn} (rigl: alpha0 {t.alpha0}); "
-             f"seeds {', '.join(map(str, a.seeds))}; mean (min-max) over seeds; train s = training time without evaluation"
+             f"seeds {', '.join(map(str, a.seeds))}; mean (min-max) over seeds; \"vs\": paired by seed, mean +- standard "
+             f"error (min-max); train s = training time without evaluation"
              + (f"; {a.jobs} runs at a time (times contended)" if a.jobs > 1 else ""), "",
              "| method | density | final top-1 | best top-1 | vs static, same seed | img/s | train s | seeds |",
              "|---|---|---|---|---|---|---|---|"]
@@ -179,7 +189,7 @@ def tables(a, res, eq=None, chosen=None):
                 continue
             diff = paired(runs, res.get(("static", d))) if m != "static" and d != 1.0 else []
             lines.append(f"| {m} | {d} | {spread([r['final_top1'] for r in runs])} | {spread([r['best_top1'] for r in runs])} | "
-                         f"{spread(diff, '{:+.4f}') if diff else '-'} | {spread([r['img_per_s'] for r in runs], '{:.0f}')} | "
+                         f"{paired_cell(diff) if diff else '-'} | {spread([r['img_per_s'] for r in runs], '{:.0f}')} | "
                          f"{spread([r['train_seconds'] for r in runs], '{:.0f}')} | {len(runs)} |")
     if eq:
         lines += ["", "Equal wall-clock time: each method trained for as many epochs as fit in the time `masked` took "
@@ -193,7 +203,7 @@ def tables(a, res, eq=None, chosen=None):
                     continue
                 lines.append(f"| {d} | {spread([r['final_top1'] for r in ref])} | {spread([r['train_seconds'] for r in ref], '{:.0f}')} | "
                              f"{m} | {chosen[f'{m}-d{d}']} | {spread([r['final_top1'] for r in runs])} | "
-                             f"{spread([r['train_seconds'] for r in runs], '{:.0f}')} | {spread(paired(runs, ref), '{:+.4f}')} |")
+                             f"{spread([r['train_seconds'] for r in runs], '{:.0f}')} | {paired_cell(paired(runs, ref))} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1004,6 +1004,11 @@ def test_study_table_resume_and_equal_time(tmp_path, monkeypatch):
     text = open(os.path.join(a.out, "results.md")).read()
     assert "| static | 0.3 |" in text and "| masked | 0.3 |" in text and "| 0.3 |" in text.split("Equal wall-clock")[1]
     assert [len(res[("static", 0.3)]), len(res[("masked", 0.3)]), len(eq[("static", 0.3)])] == [2, 2, 2]
+    # the paired column, against the runs: mean and standard error of masked - static by seed
+    top = {(m, r["seed"]): r["final_top1"] for m in ("static", "masked") for r in res[(m, 0.3)]}
+    d = [top[("masked", s)] - top[("static", s)] for s in (0, 1)]
+    row = next(line for line in text.splitlines() if line.startswith("| masked | 0.3 |"))
+    assert row.split(" | ")[4] == f"{(d[0] + d[1]) / 2:+.4f} +- {abs(d[0] - d[1]) / 2:.4f} ({min(d):+.4f}-{max(d):+.4f})"
     log = read_log(part)
     assert [r["type"] for r in log].count("start") == 1 and log[-1]["step"] == 20  # resumed, not restarted
     epochs = json.load(open(os.path.join(a.out, "equal_time.json")))["static-d0.3"]
