@@ -395,7 +395,9 @@ class Barter:
                 "counts": {k: self.model.counts(k) for k in KINDS}, "seconds": time.perf_counter() - t0}
 
     def check(self, before=None, net=None, start=False):
-        check_units({k: self.model.counts(k) for k in KINDS}, self.lo, self.hi, self.rate, self.weights, before, net,
+        """check_units on this method's counts; the start budgets at the start and, without a trade, always.
+        (The masked baseline uses this same method: it holds the same budget attributes.)"""
+        check_units({k: self.counts(k) for k in KINDS}, self.lo, self.hi, self.rate, self.weights, before, net,
                     self.start if start or not self.trade else None)
 
     def counts(self, kind):

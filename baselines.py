@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
-from barter import KINDS, Barter, all_mean, channels_per_head, check_units, choose, round_half_up, taylor_scores, uniform, unit_budgets
+from barter import KINDS, Barter, all_mean, channels_per_head, choose, round_half_up, taylor_scores, uniform, unit_budgets
 from vit import leaf, per_row
 
 
@@ -154,6 +154,8 @@ class Masked(MaskedMethod):
     def counts(self, kind):
         return [int(a.sum()) for a in self.active[kind]]
 
+    check = Barter.check  # BARTER's invariants on the active units
+
     @torch.no_grad()
     def init_model(self, keep=None):
         """Mask all but the units `keep` ({kind: [indices per block]}; default: BARTER's first units)."""
@@ -163,7 +165,7 @@ class Masked(MaskedMethod):
                     self.active[kind][i] = torch.zeros_like(self.active[kind][i]).index_fill_(0, idx.cpu(), True)
                     for mod, attr, *_ in self.model.blocks[i].units(kind)[2]:
                         mod.parametrizations[attr][0].mask.copy_(self.unit_mask(i, kind, mod, attr))
-        check_units({k: self.counts(k) for k in KINDS}, self.lo, self.hi, self.rate, self.weights, start=self.start)
+        self.check(start=True)
         self.apply_masks(None)
 
     def reset_stats(self):
@@ -244,8 +246,7 @@ class Masked(MaskedMethod):
                     p.fill, p.capture, p.grad = None, False, None
         self.apply_masks(optimizer)
         self.check_zero(optimizer)
-        check_units({k: self.counts(k) for k in KINDS}, self.lo, self.hi, self.rate, self.weights, before, net,
-                    None if self.trade else self.start)
+        self.check(before, net)
         self.reset_stats()
         return {"step": t, "alpha": round(alpha, 4), "moved": moved, "traded": trade,
                 "counts": {k: self.counts(k) for k in KINDS}, "seconds": time.perf_counter() - t0}

@@ -189,7 +189,7 @@ def tables(a, res, eq=None, chosen=None):
                 continue
             diff = paired(runs, res.get(("static", d))) if m != "static" and d != 1.0 else []
             lines.append(f"| {m} | {d} | {spread([r['final_top1'] for r in runs])} | {spread([r['best_top1'] for r in runs])} | "
-                         f"{paired_cell(diff) if diff else '-'} | {spread([r['img_per_s'] for r in runs], '{:.0f}')} | "
+                         f"{paired_cell(diff)} | {spread([r['img_per_s'] for r in runs], '{:.0f}')} | "
                          f"{spread([r['train_seconds'] for r in runs], '{:.0f}')} | {len(runs)} |")
     if eq:
         lines += ["", "Equal wall-clock time: each method trained for as many epochs as fit in the time `masked` took "
