@@ -186,17 +186,19 @@ class Schedule:
     churn: Optional[float] = None
 
     def __post_init__(self):
-        if self.churn is not None:  # the sum of the cosine shape over the updates, whatever alpha0 was
-            self.alpha0 = 1.0
-            shape = sum(self.alpha(t) for t in range(self.update_every, self.total_steps + 1, self.update_every)
+        if self.churn is not None:
+            shape = sum(self.cosine(t) for t in range(self.update_every, self.total_steps + 1, self.update_every)
                         if self.is_update(t))
             self.alpha0 = min(1.0, self.churn / shape) if shape else 0.0
 
     def is_update(self, t):
         return t > 0 and t % self.update_every == 0 and self.start <= t < self.end_frac * self.total_steps
 
+    def cosine(self, t):  # RigL's decay shape, 1 at step 0 and 0 at T_end
+        return (1 + math.cos(math.pi * t / (self.end_frac * self.total_steps))) / 2
+
     def alpha(self, t):
-        return self.alpha0 * (1 + math.cos(math.pi * t / (self.end_frac * self.total_steps))) / 2
+        return self.alpha0 * self.cosine(t)
 
 
 def select(counts, lo, hi, prune, grow, k, net=0):
