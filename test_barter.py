@@ -690,6 +690,8 @@ def test_resume_is_exact(tmp_path, method):
     (dict(data="folder", data_dir="."), "needs train/ and val/"),
     (dict(data="cifar10", data_dir="/nonexistent/deep/data"), "not there"),
     (dict(lr=0.0), "--lr"), (dict(device="cuda:7"), "not available"), (dict(end_frac=0.0), "end-frac"),
+    # a DST run whose schedule holds no update would silently be the static control
+    (dict(warmup_epochs=2), "never update"), (dict(method="rigl", update_every=10_000), "never update"),
 ])
 def test_bad_arguments_fail_before_any_work(tmp_path, change, message):
     a = targs(tmp_path, **change)

@@ -29,6 +29,7 @@ from baselines import BiDST, Dense, Masked, Static, Unstructured
 from vit import CKPT_FORMAT, PRESETS, ViT, ViTConfig
 METHODS = ("barter", "static", "masked", "rigl", "set", "bidst", "dense")
 UNIT_METHODS = ("barter", "static", "masked")  # the methods that count heads and MLP channels
+MOVING = ("barter", "masked", "rigl", "set", "bidst")  # the methods whose topology updates
 
 
 @dataclass
@@ -158,6 +159,11 @@ def validate(args):
     existing = os.path.join(run_dir(args), "checkpoint.pt")
     need(args.resume or not os.path.exists(existing), f"{run_dir(args)} holds a checkpoint already: "
          f"continue it with --resume {existing}, or pick another --out-dir")
+    # a DST run with no update in its schedule is the static control under another name: say so
+    need(args.method not in MOVING or args.warmup_epochs < args.end_frac * args.epochs,
+         f"--method {args.method} would never update its topology: updates run from the end of the warmup "
+         f"(--warmup-epochs {args.warmup_epochs}) to --end-frac x --epochs = {args.end_frac * args.epochs:g} epochs; "
+         f"lower --warmup-epochs or raise --epochs (--method static is the run without updates)")
     if args.method in UNIT_METHODS and not args.pretrained:
         check_budgets(args, PRESETS[args.model])
     if args.device != "auto":
@@ -450,6 +456,12 @@ def build(args, ckpt, device, amp, ranks=None):
     spe = len(train_dl)
     schedule = Schedule(args.epochs * spe, args.update_every, args.alpha0, args.end_frac, start=args.warmup_epochs * spe,
                         churn=args.churn if args.method in ("barter", "masked") else None)
+    first = -(-max(schedule.start, 1) // schedule.update_every) * schedule.update_every  # the first multiple after warmup
+    if args.method in MOVING and not schedule.is_update(first):
+        raise ArgError(f"--method {args.method} would never update its topology: no multiple of --update-every "
+                       f"{args.update_every} lies between the end of the warmup (step {schedule.start}) and step "
+                       f"{int(schedule.end_frac * schedule.total_steps)} (--end-frac x {schedule.total_steps} steps); lower "
+                       f"--update-every or --warmup-epochs, or raise --epochs")
     method = make_method(args.method, model, schedule, args.dense_frac, args.head_frac, args.mlp_frac,
                          args.distribution, args.seed, args.grow, args.trade)
     if ckpt is None:
