@@ -225,8 +225,8 @@ def validate(a):
         raise train.ArgError("--equal-time measures against masked: add masked to --methods, or pass --equal-time with no value")
     if not a.seeds or not a.densities or not a.methods or a.jobs < 1:
         raise train.ArgError("--methods, --densities and --seeds must not be empty; --jobs must be positive")
-    for d in a.densities:
-        train.validate(replace(a.train, dense_frac=d, out_dir=os.path.join(a.out, "check"), resume=None))
+    for _, r in grid(replace(a, seeds=a.seeds[:1])):  # every method and density, before any run starts
+        train.validate(replace(r, out_dir=os.path.join(a.out, "check")))
 
 
 def main(a: Args):

@@ -1031,7 +1031,12 @@ def test_study_bad_arguments(tmp_path):
         study.main(study_args(tmp_path, methods=("static", "magic")))
     with pytest.raises(train.ArgError, match="add masked"):
         study.main(study_args(tmp_path, methods=("static",)))
+    # each method is checked as itself: a warmup past the update window stops masked, not static
+    short = targs(tmp_path, epochs=1, warmup_epochs=1)
+    with pytest.raises(train.ArgError, match="masked would never update"):
+        study.main(study_args(tmp_path, equal_time=(), train=short))
     assert not os.path.exists(tmp_path / "study")
+    study.validate(study_args(tmp_path, methods=("static", "dense"), equal_time=(), train=short))  # no error
 
 
 # ---- issue 12: plot.py and the end-of-run summary ---------------------------------------------------
