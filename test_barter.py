@@ -876,10 +876,10 @@ def test_image_folder_trains_through_main(tmp_path):
     assert (info.in_chans, info.img_size, info.num_classes) == (3, 32, 3) and len(tr) == 4 and len(te) == 2
     x, y = next(tr.epoch(0))
     assert x.shape == (8, 3, 32, 32) and y.shape == (8,)
-    a = targs(tmp_path, data="folder", data_dir=str(tmp_path / "imgs"), batch_size=8, workers=1, epochs=1)
+    a = targs(tmp_path, data="folder", data_dir=str(tmp_path / "imgs"), batch_size=8, workers=1, epochs=1, update_every=2)
     model, _, _ = train.main(a)
     assert model.head.out_features == 3
-    assert [r["type"] for r in read_log(a.out_dir)] == ["start", "epoch", "summary"]
+    assert [r["type"] for r in read_log(a.out_dir)] == ["start", "update", "epoch", "summary"]  # 4 steps, an update at 2
 
 
 # ---- issue 9: static control, Fashion-MNIST offline, no flipped digits, study.py -------------------
