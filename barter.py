@@ -187,9 +187,12 @@ class Schedule:
 
     def __post_init__(self):
         if self.churn is not None:
-            shape = sum(self.cosine(t) for t in range(self.update_every, self.total_steps + 1, self.update_every)
-                        if self.is_update(t))
+            shape = sum(self.cosine(t) for t in self.updates())
             self.alpha0 = min(1.0, self.churn / shape) if shape else 0.0
+
+    def updates(self):
+        """Every step at which an update happens, in order."""
+        return [t for t in range(self.update_every, self.total_steps + 1, self.update_every) if self.is_update(t)]
 
     def is_update(self, t):
         return t > 0 and t % self.update_every == 0 and self.start <= t < self.end_frac * self.total_steps

@@ -236,6 +236,7 @@ def test_churn_sets_what_moves_over_the_whole_run():
     s = Schedule(1404, 50, end_frac=0.75, start=468, churn=0.5)
     steps = [t for t in range(1, 1405) if s.is_update(t)]
     assert steps[0] == 500 and steps[-1] == 1050 and sum(s.alpha(t) for t in steps) == pytest.approx(0.5)
+    assert s.updates() == steps
     assert Schedule(1404, 100, alpha0=0.3, start=468).alpha0 == 0.3  # without churn: RigL's alpha0 as given
     for a0 in (0.0, 0.05, 1.0):  # with churn, alpha0 given does not matter
         assert Schedule(1404, 50, alpha0=a0, end_frac=0.75, start=468, churn=0.5).alpha0 == s.alpha0

@@ -456,8 +456,7 @@ def build(args, ckpt, device, amp, ranks=None):
     spe = len(train_dl)
     schedule = Schedule(args.epochs * spe, args.update_every, args.alpha0, args.end_frac, start=args.warmup_epochs * spe,
                         churn=args.churn if args.method in ("barter", "masked") else None)
-    first = -(-max(schedule.start, 1) // schedule.update_every) * schedule.update_every  # the first multiple after warmup
-    if args.method in MOVING and not schedule.is_update(first):
+    if args.method in MOVING and not schedule.updates():
         raise ArgError(f"--method {args.method} would never update its topology: no multiple of --update-every "
                        f"{args.update_every} lies between the end of the warmup (step {schedule.start}) and step "
                        f"{int(schedule.end_frac * schedule.total_steps)} (--end-frac x {schedule.total_steps} steps); lower "
