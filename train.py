@@ -228,8 +228,11 @@ def make_optimizer(model, lr, weight_decay):
     decay, no_decay = [], []
     for n, p in model.named_parameters():
         (decay if p.ndim >= 2 and n not in ("pos_embed", "cls_token") else no_decay).append(p)
+    # on CUDA one fused kernel: a compact model's step is short enough that the default's many
+    # launches show (H200, deit-small at d = 0.1: AdamW was 3.5 of barter's 26 ms of GPU time a step)
+    fused = next(model.parameters()).device.type == "cuda"
     return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.999))
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.999), fused=fused)
 
 
 def train_step(model, fwd, method, opt, x, y, t, amp, clip=0.0, smoothing=0.0):

@@ -86,11 +86,16 @@ class Normalize(torch.autograd.Function):
         return bracket * rstd, None
 
 
-def norm_linear(x, norm, lin):
-    """lin(norm(x)) with the norm's affine folded into the linear, so that the linear reads (and
-    keeps) Normalize's output: (y*gamma + beta) W^T + b = y (W*gamma)^T + (W beta + b)."""
-    W = lin.weight  # read once: under a mask parametrization every read is a new tensor
-    return F.linear(Normalize.apply(x, norm.eps), W * norm.weight, lin.bias + W @ norm.bias)
+def norm_linear(x, norm, W, b):
+    """F.linear(norm(x), W, b) with the norm's affine folded into the linear, so that the linear reads
+    (and keeps) Normalize's output: (y*gamma + beta) W^T + b = y (W*gamma)^T + (W beta + b).
+    Pass W read once: under a mask parametrization every read of lin.weight is a new tensor."""
+    return F.linear(Normalize.apply(x, norm.eps), W * norm.weight, b + W @ norm.bias)
+
+
+# bf16 GEMMs whose width is not a multiple of 8 take a slow path on CUDA (an H200 ran fc1 at 153
+# channels 6x slower than at 152, .ci/gpu's width probe), and BARTER's MLP widths are any integer
+GEMM_MULTIPLE = {"cuda": 8}
 
 
 class Attention(nn.Module):
@@ -102,7 +107,7 @@ class Attention(nn.Module):
 
     def forward(self, x, norm):  # x: the residual stream (B, N, D); norm: the block's norm1, folded into qkv
         B, N, _ = x.shape
-        qkv = norm_linear(x, norm, self.qkv).view(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        qkv = norm_linear(x, norm, self.qkv.weight, self.qkv.bias).view(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # (B, h, N, hd) each
         x = F.scaled_dot_product_attention(q, k, v)
         x = x.transpose(1, 2).reshape(B, N, self.num_heads * self.head_dim)
@@ -117,7 +122,11 @@ class Mlp(nn.Module):
         self.fc2 = linear(hidden, dim)
 
     def forward(self, x, norm):
-        return self.fc2(F.gelu(norm_linear(x, norm, self.fc1)))
+        W1, b1, W2 = self.fc1.weight, self.fc1.bias, self.fc2.weight
+        pad = -self.hidden % GEMM_MULTIPLE.get(x.device.type, 1)
+        if pad:  # run at a padded width: zero rows in fc1 give channels gelu(0) = 0 that zero columns of fc2 ignore
+            W1, b1, W2 = F.pad(W1, (0, 0, 0, pad)), F.pad(b1, (0, pad)), F.pad(W2, (0, pad))
+        return F.linear(F.gelu(norm_linear(x, norm, W1, b1)), W2, self.fc2.bias)
 
 
 class Block(nn.Module):
@@ -214,7 +223,7 @@ class ViT(nn.Module):
         return self.norm(self.trunk(img))
 
     def forward(self, img):
-        return norm_linear(self.trunk(img), self.norm, self.head)  # (B, classes)
+        return norm_linear(self.trunk(img), self.norm, self.head.weight, self.head.bias)  # (B, classes)
 
     def counts(self, kind):
         return [b.units(kind)[0] for b in self.blocks]
