@@ -692,7 +692,7 @@ if __name__ == "__main__":
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         # a torchrun rank whose work is written and whose group is destroyed skips the interpreter's
         # finalization, where gloo's threads still abort a rank now and then ("terminate called
-        # without an active exception": seen once in ~100 CPU runs after the barrier in Ranks.close;
+        # without an active exception": seen once in a full test run after the barrier in Ranks.close;
         # pytorch/pytorch#179291 traces such aborts to objects freed while the interpreter finalizes)
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(0)
