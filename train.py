@@ -123,8 +123,13 @@ class ArgError(ValueError):
     pass
 
 
+def torchrun_world():
+    """How many processes torchrun started (1 for a plain run)."""
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
 def validate(args):
-    world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's
+    world = torchrun_world()
 
     def need(ok, msg):
         if not ok:
@@ -482,7 +487,7 @@ class Ranks:
 
     def __init__(self, device_name):
         env = os.environ
-        self.rank, self.world, self.local = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
+        self.rank, self.world, self.local = int(env.get("RANK", 0)), torchrun_world(), int(env.get("LOCAL_RANK", 0))
         self.main = self.rank == 0
         self.device = pick_device(device_name)
         if self.device.type == "cuda" and self.world > 1:
@@ -689,7 +694,7 @@ if __name__ == "__main__":
     except (ArgError, FileNotFoundError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+    if torchrun_world() > 1:
         # a torchrun rank whose work is written and whose group is destroyed skips the interpreter's
         # finalization, where gloo's threads still abort a rank now and then ("terminate called
         # without an active exception": seen once in a full test run after the barrier in Ranks.close;
