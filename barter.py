@@ -55,7 +55,7 @@ INIT_STD = 0.02  # the ViT's own init of a linear weight (vit.ViT.__init__)
 
 
 @torch.no_grad()
-def resize(model, optimizer, heads, mlp, eps=0.0, generator=None):
+def resize(model, optimizer, heads, mlp, eps=0.0, generator=None, shadow=None):
     """Rebuild block i with the source units heads[i] / mlp[i] (LongTensors, None = untouched).
     A source that appears m times is split into m copies: input side copied, its weights perturbed by
     +-eps * rms(row) * u (u ~ N(0, 1), opposite signs for the copies, so their mean stays the source),
@@ -65,8 +65,10 @@ def resize(model, optimizer, heads, mlp, eps=0.0, generator=None):
     Optimizer state goes through the same indices (scaled by STATE_POWER on a split's input side);
     a fresh unit's state is zero but for second moments, which take the mean over the tensor's other
     units, so that Adam's first steps on it have the usual size (with zero state and the tensor's
-    step count, they would be up to ~6x larger). Returns, per block, which units are new halves or
-    fresh units."""
+    step count, they would be up to ~6x larger). `shadow`, an average of the weights keyed by
+    Parameter like optimizer.state (train.EMA), goes through the same indices as the weights but
+    without the +-eps (so a split leaves the average's function exactly as it was), zero for a fresh
+    unit. Returns, per block, which units are new halves or fresh units."""
     where = {}  # id(param) -> (group, position) in the optimizer
     if optimizer is not None:
         for g in optimizer.param_groups:
@@ -120,6 +122,8 @@ def resize(model, optimizer, heads, mlp, eps=0.0, generator=None):
                     new += eps * per_row(sign, w, seg).view(shape).to(old.dtype) * u.index_select(dim, rows)
                 new = nn.Parameter(new, requires_grad=old.requires_grad)
                 setattr(mod, attr, new)
+                if shadow is not None:
+                    shadow[new] = gather(shadow.pop(old), 0 if side == "in" else 1, 0.0)
                 if optimizer is None:
                     continue
                 if id(old) not in where:
@@ -142,6 +146,8 @@ def resize(model, optimizer, heads, mlp, eps=0.0, generator=None):
             blk.set_units(kind, idx.numel())
     if optimizer is not None:
         check_optimizer(model, optimizer)
+    if shadow is not None:
+        check_shadow(model, shadow)
     return fresh
 
 
@@ -152,6 +158,13 @@ def check_optimizer(model, optimizer):
     assert len(in_groups) == len(set(in_groups)), "a parameter is in the optimizer twice"
     assert set(in_groups) == params, "optimizer and model disagree on the parameters (stale Parameter?)"
     assert all(id(p) in params for p in optimizer.state), "optimizer state of a stale Parameter"
+
+
+def check_shadow(model, shadow):
+    """An average of the weights holds one tensor of the right shape per trainable parameter, no more."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert {id(p) for p in shadow} == {id(p) for p in params}, "average and model disagree on the parameters"
+    assert all(shadow[p].shape == p.shape for p in params), "an averaged tensor has the wrong shape"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -322,6 +335,7 @@ def unit_budgets(cfg, dense_frac, head_frac=None, mlp_frac=None):
 
 class Barter:
     name = "barter"
+    shadow = None  # train.py's EMA of the weights ({Parameter: tensor}), resized with them at every update
 
     def __init__(self, model, schedule, dense_frac=0.1, head_frac=None, mlp_frac=None, eps=1.0, seed=0, grow="clone", trade=True):
         """eps: the clone's symmetry breaking, in units of each input row's RMS. With eps ~ 1e-3 the two
@@ -390,7 +404,7 @@ class Barter:
                 same = len(parents) == 0 and len(kept) == n
                 plan.append(None if same else torch.tensor(kept + parents, dtype=torch.long))
             plans[kind], moved[kind] = plan, len(P)
-        fresh = resize(self.model, optimizer, plans["heads"], plans["mlp"], self.eps, self.gen)
+        fresh = resize(self.model, optimizer, plans["heads"], plans["mlp"], self.eps, self.gen, self.shadow)
         for kind in KINDS:
             self.fresh[kind] = [f.cpu() if f is not None else torch.zeros(n, dtype=torch.bool)
                                 for f, n in zip(fresh[kind], self.model.counts(kind))]

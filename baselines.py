@@ -62,6 +62,8 @@ class Mask(nn.Module):
 class MaskedMethod:
     """Shared mechanism: masks on (module, attr) pairs, zeroing of weights and optimizer state."""
 
+    shadow = None  # train.py's EMA of the weights ({Parameter: tensor}): masked like the weights
+
     def __init__(self, model, schedule, seed):
         self.model, self.schedule = model, schedule
         self.gen = torch.Generator().manual_seed(seed)
@@ -78,10 +80,13 @@ class MaskedMethod:
 
     @torch.no_grad()
     def apply_masks(self, optimizer):
-        """Zero masked weights, their gradients and every optimizer state tensor of their shape."""
+        """Zero masked weights, their gradients, every optimizer state tensor of their shape and their
+        average (a unit grown back starts its average from zero, as its weights were until then)."""
         for name, (mod, attr, p) in self.masks.items():
             W = leaf(mod, attr)
             W.mul_(p.mask)
+            if self.shadow is not None:
+                self.shadow[W].mul_(p.mask)
             if W.grad is not None:
                 W.grad.mul_(p.mask)
             state = optimizer.state.get(W, {}) if optimizer is not None else {}
@@ -97,6 +102,7 @@ class MaskedMethod:
             for k, v in optimizer.state.get(W, {}).items():
                 if torch.is_tensor(v) and v.shape == W.shape:
                     assert not v[off].any(), f"{name}: masked optimizer state {k} is not zero"
+            assert self.shadow is None or not self.shadow[W][off].any(), f"{name}: a masked weight's average is not zero"
 
     def weight_density(self):
         """Active fraction of the block weights (qkv, proj, fc1, fc2), counted from the masks."""

@@ -158,10 +158,10 @@ def spread(xs, fmt="{:.4f}"):
     return mean if len(xs) == 1 else f"{mean} ({fmt.format(min(xs))}-{fmt.format(max(xs))})"
 
 
-def paired(runs, ref):
-    """Differences of final top-1 to `ref`'s run of the same seed."""
-    by_seed = {r["seed"]: r["final_top1"] for r in ref or []}
-    return [r["final_top1"] - by_seed[r["seed"]] for r in runs if r["seed"] in by_seed]
+def paired(runs, ref, key="final_top1"):
+    """Differences of final top-1 (or `key`) to `ref`'s run of the same seed."""
+    by_seed = {r["seed"]: r[key] for r in ref or []}
+    return [r[key] - by_seed[r["seed"]] for r in runs if r["seed"] in by_seed]
 
 
 def paired_cell(diffs):
@@ -191,6 +191,15 @@ def tables(a, res, eq=None, chosen=None):
             lines.append(f"| {m} | {d} | {spread([r['final_top1'] for r in runs])} | {spread([r['best_top1'] for r in runs])} | "
                          f"{paired_cell(diff)} | {spread([r['img_per_s'] for r in runs], '{:.0f}')} | "
                          f"{spread([r['train_seconds'] for r in runs], '{:.0f}')} | {len(runs)} |")
+    if any("final_top1_ema" in r for runs in res.values() for r in runs):
+        lines += ["", f"The average of the weights (--train.ema-decay {t.ema_decay}), the same runs:", "",
+                  "| method | density | final top-1 of the average | vs the model's own, same run | vs static's average, same seed |",
+                  "|---|---|---|---|---|"]
+        for (m, d), runs in res.items():
+            ref = res.get(("static", d)) if m != "static" and d != 1.0 else None
+            lines.append(f"| {m} | {d} | {spread([r['final_top1_ema'] for r in runs])} | "
+                         f"{paired_cell([r['final_top1_ema'] - r['final_top1'] for r in runs])} | "
+                         f"{paired_cell(paired(runs, ref, 'final_top1_ema')) if ref else '-'} |")
     if eq:
         lines += ["", "Equal wall-clock time: each method trained for as many epochs as fit in the time `masked` took "
                   "at the same density (same recipe otherwise).", "",

@@ -299,6 +299,55 @@ def test_optimizer_state_remap(opt_name):
     assert torch.isfinite(m(x)).all()
 
 
+def test_average_is_the_warmed_up_exponential_average():
+    m = micro()
+    ema = train.EMA(m, 0.8)
+    ref = {n: p.detach().clone() for n, p in m.named_parameters()}
+    g = torch.Generator().manual_seed(3)
+    for t in range(1, 12):
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+        ema.update(m, t)
+        d = min(0.8, (1 + t) / (10 + t))  # TensorFlow's num_updates warmup: 0.18 at step 1, 0.8 from step 26
+        ref = {n: d * ref[n] + (1 - d) * p.detach() for n, p in m.named_parameters()}
+    for n, p in m.named_parameters():
+        torch.testing.assert_close(ema.shadow[p], ref[n], rtol=0, atol=1e-12)
+
+
+def test_average_goes_through_a_resize_like_the_weights():
+    """After pruning and splitting, the compact average computes what the dense average computes with
+    the pruned units masked by hand: it was gathered through the weights' indices, and a split takes no
+    +-eps in it (the live weights do), so the average's function is unchanged by a split."""
+    m, x = micro(), batch()[0]
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    ema = train.EMA(m, 0.7)
+    for t in range(1, 6):
+        opt.zero_grad()
+        F.cross_entropy(m(x), batch()[1]).backward()
+        opt.step()
+        ema.update(m, t)
+    dense_avg = copy.deepcopy(m)
+    with torch.no_grad():
+        for p, q in zip(dense_avg.parameters(), m.parameters()):
+            p.copy_(ema.shadow[q])
+    heads, mlp = [[0, 0, 2], [3], [1, 3, 3]], [list(range(10, 30)) + [10, 11], [5, 1, 63], list(range(64))]
+    mask_by_hand(dense_avg, [sorted(set(h)) for h in heads], [sorted(set(f)) for f in mlp])
+    resize(m, opt, [torch.tensor(h) for h in heads], [torch.tensor(f) for f in mlp], eps=1.0,
+           generator=torch.Generator().manual_seed(0), shadow=ema.shadow)
+    barter.check_shadow(m, ema.shadow)
+    live = m(x)
+    with ema.swapped_in(m):
+        torch.testing.assert_close(m(x), dense_avg(x), rtol=0, atol=1e-12)
+        qkv = m.blocks[0].attn.qkv.weight  # the average's halves of head 0 are equal; the live ones differ
+        assert torch.equal(qkv[:HD], qkv[HD:2 * HD])
+    assert not torch.equal(m.blocks[0].attn.qkv.weight[:HD], m.blocks[0].attn.qkv.weight[HD:2 * HD])
+    torch.testing.assert_close(m(x), live, rtol=0, atol=0)  # the model's own weights are back
+    _, meth, _, _, recs = run("barter", ema_decay=0.9)  # and in training: every update checks the average
+    assert recs and meth.shadow is not None
+    barter.check_shadow(meth.model, meth.shadow)
+
+
 def test_fresh_units_leave_the_function_and_start_with_typical_adam_scale():
     m = micro()
     opt = train.make_optimizer(m, 1e-3, 0.05)
@@ -470,16 +519,20 @@ def test_matches_torchvision_vit():
 
 # ---- issue 2, test 7 and issue 3, test 5: every method trains ----------------------------------
 
-def run(method, steps=40, frac=0.3, seed=0, update_every=8):
+def run(method, steps=40, frac=0.3, seed=0, update_every=8, ema_decay=None):
     m = micro(seed=seed, dtype=torch.float32)
     sched = Schedule(total_steps=steps, update_every=update_every, alpha0=0.3, end_frac=0.9)
     meth = train.make_method(method, m, sched, frac, seed=seed)
     meth.init_model()
     opt = train.make_optimizer(m, 2e-3, 0.05)
+    ema = train.EMA(m, ema_decay) if ema_decay else None  # as train.train wires it: meth.shadow is its dict
+    meth.shadow = ema.shadow if ema else None
     x, y = batch(64, seed=5, dtype=torch.float32)
     losses, recs = [], []
     for t in range(1, steps + 1):
         loss, rec = train.train_step(m, m, meth, opt, x, y, t, train.nullcontext(), clip=1.0)
+        if ema:
+            ema.update(m, t)
         losses.append(float(loss))
         recs += [rec] if rec else []
     return m, meth, opt, losses, recs
@@ -539,7 +592,7 @@ def test_masked_equals_compact(device):
 
 @pytest.mark.parametrize("method", ["masked", "rigl", "set", "bidst"])
 def test_masked_weights_and_state_stay_zero(method):
-    m, meth, opt, losses, recs = run(method, steps=50, update_every=6)
+    m, meth, opt, losses, recs = run(method, steps=50, update_every=6, ema_decay=0.9)
     assert len(recs) >= 5
     for name, (mod, attr, p) in meth.masks.items():
         W, off = leaf(mod, attr), p.mask == 0
@@ -548,6 +601,8 @@ def test_masked_weights_and_state_stay_zero(method):
         for k, v in opt.state[W].items():
             if v.shape == W.shape:
                 assert torch.count_nonzero(v[off]) == 0, (name, k)
+        avg = meth.shadow[W]  # the average of the weights: as sparse as they are, and not a copy of them
+        assert torch.count_nonzero(avg[off]) == 0 and not torch.equal(avg[~off], W[~off]), name
 
 
 def test_structured_density_from_masks():
@@ -670,9 +725,9 @@ def test_training_run_moves_units(tmp_path, device):
 
 @pytest.mark.parametrize("method", ["barter", "masked", "bidst"])
 def test_resume_is_exact(tmp_path, method):
-    whole = targs(tmp_path, method=method, max_steps=100, out_dir=str(tmp_path / "whole"))
+    whole = targs(tmp_path, method=method, max_steps=100, ema_decay=0.9, out_dir=str(tmp_path / "whole"))
     m1, _, _ = train.main(whole)
-    part = targs(tmp_path, method=method, max_steps=45, out_dir=str(tmp_path / "part"))
+    part = targs(tmp_path, method=method, max_steps=45, ema_decay=0.9, out_dir=str(tmp_path / "part"))
     train.main(part)
     ck = torch.load(os.path.join(part.out_dir, "checkpoint.pt"), weights_only=False)
     if method == "barter":  # the checkpoint holds resized blocks, not the uniform start
@@ -683,6 +738,8 @@ def test_resume_is_exact(tmp_path, method):
     assert s1.keys() == s2.keys()
     for k in s1:
         assert torch.equal(s1[k], s2[k]), k
+    e1, e2 = (torch.load(os.path.join(a.out_dir, "checkpoint.pt"), weights_only=False)["ema"] for a in (whole, part))
+    assert e1.keys() == s1.keys() and all(torch.equal(e1[k], e2[k]) for k in e1)
     ups = [r["step"] for r in read_log(part.out_dir) if r["type"] == "update"]
     assert ups == [10, 20, 30, 40, 50, 60, 70, 80, 90, 100]
 
@@ -697,6 +754,7 @@ def test_resume_is_exact(tmp_path, method):
     (dict(lr=0.0), "--lr"), (dict(device="cuda:7"), "not available"), (dict(end_frac=0.0), "end-frac"),
     # a DST run whose schedule holds no update would silently be the static control
     (dict(warmup_epochs=2), "never update"), (dict(method="rigl", update_every=10_000), "never update"),
+    (dict(ema_decay=1.0), "ema-decay"),
 ])
 def test_bad_arguments_fail_before_any_work(tmp_path, change, message):
     a = targs(tmp_path, **change)
@@ -1015,7 +1073,13 @@ def test_study_table_resume_and_equal_time(tmp_path, monkeypatch):
     top = {(m, r["seed"]): r["final_top1"] for m in ("static", "masked") for r in res[(m, 0.3)]}
     d = [top[("masked", s)] - top[("static", s)] for s in (0, 1)]
     row = next(line for line in text.splitlines() if line.startswith("| masked | 0.3 |"))
-    assert row.split(" | ")[4] == f"{(d[0] + d[1]) / 2:+.4f} +- {abs(d[0] - d[1]) / 2:.4f} ({min(d):+.4f}-{max(d):+.4f})"
+    cell = f"{(d[0] + d[1]) / 2:+.4f} +- {abs(d[0] - d[1]) / 2:.4f} ({min(d):+.4f}-{max(d):+.4f})"
+    assert row.split(" | ")[4] == cell
+    # runs with --ema-decay get a second table: the average against the model's own and static's average
+    ema = {k: [{**r, "final_top1_ema": r["final_top1"] + 0.01 * (r["seed"] + 1)} for r in v] for k, v in res.items()}
+    below = study.tables(a, ema).split("The average of the weights")[1]
+    row = next(line for line in below.splitlines() if line.startswith("| masked | 0.3 |")).split(" | ")
+    assert row[3:5] == ["+0.0150 +- 0.0050 (+0.0100-+0.0200)", cell + " |"]
     log = read_log(part)
     assert [r["type"] for r in log].count("start") == 1 and log[-1]["step"] == 20  # resumed, not restarted
     epochs = json.load(open(os.path.join(a.out, "equal_time.json")))["static-d0.3"]
@@ -1295,6 +1359,26 @@ def test_load_rebuilds_a_trained_compact_model_in_a_fresh_process(tmp_path):
         torch.testing.assert_close(torch.load(tmp_path / "y.pt"), model.eval()(x), rtol=0, atol=0)
     top1 = train.main(train.Args(eval_only=True, resume=path, device="cpu"))
     assert top1 == read_log(a.out_dir)[-2]["test_top1"]
+
+
+def test_average_of_the_weights_is_logged_checkpointed_and_loads(tmp_path):
+    a = targs(tmp_path, ema_decay=0.95, max_steps=30)
+    model, _, _ = train.main(a)
+    log = read_log(a.out_dir)
+    ep, summary = log[-2], log[-1]
+    assert summary["final_top1_ema"] == ep["test_top1_ema"]
+    path = os.path.join(a.out_dir, "checkpoint.pt")
+    live, avg = vit.load(path), vit.load(path, ema=True)
+    assert live.counts("heads") == avg.counts("heads") == model.counts("heads") != [2, 1, 1]  # resized with the model
+    assert any(not torch.equal(p, q) for p, q in zip(live.parameters(), avg.parameters()))
+    _, test_dl, _ = data.load("synthetic", "data", a.batch_size, torch.device("cpu"), CFG.img_size, a.seed, 1)
+    # the logged numbers are those of the models a user loads back
+    assert train.evaluate(live, test_dl, train.nullcontext()) == ep["test_top1"]
+    assert train.evaluate(avg, test_dl, train.nullcontext()) == ep["test_top1_ema"]
+    plain = targs(tmp_path, max_steps=5, out_dir=str(tmp_path / "plain"))
+    train.main(plain)
+    with pytest.raises(vit.WeightsError, match="no average"):
+        vit.load(os.path.join(plain.out_dir, "checkpoint.pt"), ema=True)
 
 
 # ---- issue 11: torchrun / DDP, topology in lockstep on every rank ----------------------------------

@@ -12,7 +12,7 @@ import resource
 import signal
 import sys
 import time
-from contextlib import nullcontext, redirect_stdout
+from contextlib import contextmanager, nullcontext, redirect_stdout
 from dataclasses import asdict, dataclass, replace
 from typing import Literal, Optional
 
@@ -68,6 +68,10 @@ class Args:
     """cross-entropy label smoothing"""
     clip_grad: float = 1.0
     """gradient norm clip (0 = off)"""
+    ema_decay: Optional[float] = None
+    """also keep an exponential moving average of the weights with this decay (e.g. 0.999 for runs of
+    many thousand steps; None: none) and report its test top-1 beside the model's. It is resized with
+    the model at every BARTER update and masked with it in the baselines"""
     update_every: int = 500
     """steps between topology updates (BARTER and every baseline)"""
     end_frac: float = 0.75
@@ -146,6 +150,7 @@ def validate(args):
     need(args.lr > 0 and args.weight_decay >= 0 and args.warmup_epochs >= 0 and args.clip_grad >= 0,
          "--lr must be positive; --weight-decay, --warmup-epochs and --clip-grad non-negative")
     need(0 <= args.label_smoothing < 1, f"--label-smoothing must be in [0, 1), got {args.label_smoothing}")
+    need(args.ema_decay is None or 0 < args.ema_decay < 1, f"--ema-decay must be in (0, 1), got {args.ema_decay}")
     need(args.model in PRESETS, f"unknown --model {args.model!r}; choose from {', '.join(PRESETS)}")
     need(args.init_batches > 0, f"--init-batches must be positive, got {args.init_batches}")
     need(args.pretrained_heads is None or args.pretrained_heads > 0, f"--pretrained-heads must be positive, got {args.pretrained_heads}")
@@ -240,6 +245,49 @@ def make_optimizer(model, lr, weight_decay):
                               {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.999), fused=fused)
 
 
+class EMA:
+    """An exponential moving average of the trainable weights (timm's ModelEma, DeiT's model_ema):
+    one tensor per Parameter in `shadow`, keyed by the Parameter as optimizer.state is, so that a
+    BARTER update gathers it through the same indices as the weights (barter.resize) and a masked
+    method zeroes it where it masks (baselines.apply_masks). The decay warms up as TensorFlow's
+    ExponentialMovingAverage with num_updates: min(decay, (1 + t) / (10 + t)) at step t."""
+
+    def __init__(self, model, decay):
+        self.decay = decay
+        self.shadow = {p: p.detach().clone() for p in self.params(model)}
+
+    @staticmethod
+    def params(model):
+        return [p for p in model.parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def update(self, model, t):
+        ps = self.params(model)  # one multi-tensor lerp per step, as timm's ModelEmaV3 does it
+        torch._foreach_lerp_([self.shadow[p] for p in ps], [p.detach() for p in ps], 1 - min(self.decay, (1 + t) / (10 + t)))
+
+    @contextmanager
+    def swapped_in(self, model):
+        """The model holds the average inside the with-block and its own weights again after it."""
+        own = {p: p.detach().clone() for p in self.params(model)}
+        with torch.no_grad():
+            for p in own:
+                p.copy_(self.shadow[p])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, w in own.items():
+                    p.copy_(w)
+
+    def state_dict(self, model):
+        return {n: self.shadow[p] for n, p in model.named_parameters() if p.requires_grad}
+
+    def load_state_dict(self, model, sd):
+        new = {p: sd[n].to(p.device, p.dtype) for n, p in model.named_parameters() if p.requires_grad}
+        self.shadow.clear()  # in place: the method holds this same dict
+        self.shadow.update(new)
+
+
 def train_step(model, fwd, method, opt, x, y, t, amp, clip=0.0, smoothing=0.0):
     """One optimizer step t (1-based) with the method's hooks around it. Returns (loss, update record)."""
     method.before_forward(t)
@@ -331,6 +379,8 @@ def summarize(out, total_steps, counts=None):
     rec = {"type": "summary", "step": ep[-1]["step"], "total_steps": total_steps, "final_top1": top1[-1],
            "best_top1": max(top1), "train_seconds": seconds, "img_per_s": images / seconds,
            "peak_mem_mb": max(r["peak_mem_mb"] for r in ep), "mem": ep[-1]["mem"], "density": ep[-1]["density"]}
+    if "test_top1_ema" in ep[-1]:
+        rec["final_top1_ema"], rec["best_top1_ema"] = ep[-1]["test_top1_ema"], max(r["test_top1_ema"] for r in ep)
     if counts:
         rec["counts"] = counts
     return rec
@@ -437,9 +487,13 @@ def eval_checkpoint(args):
     device = pick_device(args.device)
     data_dir = args.data_dir if args.data_dir != Args.data_dir else a["data_dir"]
     _, test_dl, _ = data.load(a["data"], data_dir, a["batch_size"], device, model.cfg.img_size, a["seed"], args.workers)
-    top1 = evaluate(model.to(device), test_dl, autocast(device, a["bf16"] and bf16_supported(device)))
+    amp = autocast(device, a["bf16"] and bf16_supported(device))
+    top1 = evaluate(model.to(device), test_dl, amp)
     print(f"{args.resume}: {a['method']} d={a['dense_frac']} at step {ckpt['step']}, test top-1 {top1:.4f} "
           f"on the {a['data']} test split")
+    if ckpt.get("ema"):
+        top1_ema = evaluate(vit.from_checkpoint(ckpt, ema=True).eval().to(device), test_dl, amp)
+        print(f"the average of its weights (--ema-decay {a['ema_decay']}): test top-1 {top1_ema:.4f}")
     return top1
 
 
@@ -556,10 +610,14 @@ def train(args, ranks):
     spe = len(train_dl)
     total = args.epochs * spe
     opt = make_optimizer(model, args.lr, args.weight_decay)
+    ema = EMA(model, args.ema_decay) if args.ema_decay else None
+    method.shadow = ema.shadow if ema else None
     step = 0
     if ckpt:
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
+        if ema:
+            ema.load_state_dict(model, ckpt["ema"])
         method.load_state_dict(ckpt["method"])
         torch.set_rng_state(ckpt["rng"]["torch"])
         step = ckpt["step"]
@@ -575,7 +633,7 @@ def train(args, ranks):
             save_checkpoint(os.path.join(out, "checkpoint.pt"), args=asdict(args), cfg=asdict(cfg),
                             heads=model.counts("heads"), mlp=model.counts("mlp"), model=model.state_dict(),
                             optimizer=opt.state_dict(), method=method.state_dict(), step=step,
-                            rng={"torch": torch.get_rng_state()})
+                            ema=ema.state_dict(model) if ema else None, rng={"torch": torch.get_rng_state()})
 
     # everything that can fail on bad input has run: only now does the run get its folder
     log_path = os.path.join(out, "log.jsonl")
@@ -622,6 +680,8 @@ def train(args, ranks):
                 for g in opt.param_groups:
                     g["lr"] = lr_at(step)
                 loss, rec = train_step(model, fwd, method, opt, x, y, step, amp, args.clip_grad, args.label_smoothing)
+                if ema:  # after the update: the average was resized or masked with the model
+                    ema.update(model, step)
                 loss_sum += loss
                 n_img += len(y) * ranks.world
                 n_steps += 1
@@ -653,7 +713,11 @@ def train(args, ranks):
             if not math.isfinite(rec["train_loss"]):
                 raise FloatingPointError(f"loss is {rec['train_loss']} in epoch {epoch + 1}")
             rec["test_top1"] = evaluate(fwd, test_dl, amp, ranks)
+            if ema:
+                with ema.swapped_in(model):
+                    rec["test_top1_ema"] = evaluate(fwd, test_dl, amp, ranks)
             tqdm.write(f"epoch {epoch + 1} step {step}: loss {rec['train_loss']:.4f} top-1 {rec['test_top1']:.4f} "
+                       + (f"(average {rec['test_top1_ema']:.4f}) " if ema else "") +
                        f"{rec['img_per_s']:.0f} img/s peak {rec['peak_mem_mb']:.0f} MB density {rec['density']:.4f}")
             log.write(json.dumps(rec) + "\n")
             log.flush()
@@ -680,6 +744,8 @@ def show_summary(s, out):
     mem = f"{s['peak_mem_mb']:.0f} MB {'CUDA allocator' if s['mem'].startswith('cuda') else 'process RSS'}"
     lines = [f"{done}: step {s['step']}/{s['total_steps']}, test top-1 {s['final_top1']:.4f} (best {s['best_top1']:.4f}), "
              f"{s['train_seconds']:.0f} s of training at {s['img_per_s']:.0f} img/s, peak {mem}, density {s['density']:.4f}"]
+    if "final_top1_ema" in s:
+        lines.append(f"average of the weights (--ema-decay): test top-1 {s['final_top1_ema']:.4f} (best {s['best_top1_ema']:.4f})")
     if "counts" in s:
         lines.append("final units per block: " + " | ".join(f"{k} " + " ".join(map(str, c)) for k, c in s["counts"].items()))
     lines.append(f"picture of this run: python plot.py {out}")

@@ -311,10 +311,14 @@ def from_torchvision(tv_model):
     return dense_from(torchvision_keys(tv_model.state_dict()), tv_model.encoder.layers[0].num_heads)
 
 
-def from_checkpoint(ckpt):
-    """The trained model of one of train.py's checkpoints, with its per-block shapes."""
+def from_checkpoint(ckpt, ema=False):
+    """The trained model of one of train.py's checkpoints, with its per-block shapes; with `ema`, the
+    average of its weights that a run with --ema-decay keeps instead of the weights themselves."""
+    if ema and not ckpt.get("ema"):
+        raise WeightsError("this checkpoint holds no average of the weights (its run had no --ema-decay)")
     model = ViT(ViTConfig(**ckpt["cfg"]), heads=ckpt["heads"], mlp=ckpt["mlp"])
-    sd = {k.replace(".parametrizations.", ".").replace(".original", ""): v for k, v in ckpt["model"].items()}
+    sd = {**ckpt["model"], **(ckpt["ema"] if ema else {})}
+    sd = {k.replace(".parametrizations.", ".").replace(".original", ""): v for k, v in sd.items()}
     model.load_state_dict(sd, strict=True)  # a masked run's weights are dense with zeros where masked
     return model
 
@@ -337,9 +341,10 @@ def read_checkpoint(path):
     return ckpt
 
 
-def load(path):
-    """A model trained by train.py, rebuilt with its per-block shapes from its checkpoint, in eval mode."""
-    return from_checkpoint(read_checkpoint(path)).eval()
+def load(path, ema=False):
+    """A model trained by train.py, rebuilt with its per-block shapes from its checkpoint, in eval mode
+    (with `ema`: the average of its weights, from a run with --ema-decay)."""
+    return from_checkpoint(read_checkpoint(path), ema).eval()
 
 
 def load_pretrained(source, num_heads=None):
