@@ -3,8 +3,9 @@ Datasets. Small ones (CIFAR, MNIST, Fashion-MNIST, synthetic) live on the traini
 at their own size and are resized to the model's image size and augmented there (random crop with
 4 px padding, horizontal flip except for digits), so the input pipeline never limits img/s, not even
 for a model at density 0.1. An image folder (ImageNet layout) goes through a torchvision DataLoader.
-Batch order and augmentation are a pure function of (seed, epoch, batch), so a run resumed in the
-middle of an epoch sees exactly the batches it would have seen.
+Batch order and augmentation are a pure function of (seed, epoch, batch), for image folders too
+(each image is augmented under an RNG seeded from its index), so a run resumed in the middle of an
+epoch sees exactly the batches it would have seen.
 """
 import functools
 import gzip
@@ -160,6 +161,23 @@ class TensorLoader:
         return xp[torch.arange(B, device=x.device)[:, None, None, None], torch.arange(C, device=x.device)[None, :, None, None], rows, cols]
 
 
+class Seeded(torch.utils.data.Dataset):
+    """A dataset whose sample i in `epoch` is drawn with the torch RNG seeded from (seed, epoch, i),
+    inside fork_rng: its augmentation is the same whichever worker loads it, with any number of
+    workers or none, and the caller's RNG is left as it was."""
+
+    def __init__(self, ds, seed, epoch):
+        self.ds, self.base = ds, (seed * 100003 + epoch) * 1000003
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.base + i)
+            return self.ds[i]
+
+
 class FolderLoader:
     """An ImageNet-layout folder (train/ and val/, one subfolder per class) through a DataLoader."""
 
@@ -179,19 +197,28 @@ class FolderLoader:
         b = self.batch_size // self.world
         return n // b if self.train else -(-n // b)
 
-    def epoch(self, epoch, start=0):
-        g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
-        sampler = None
-        if self.world > 1:  # a disjoint share of the (epoch-seeded) shuffled set per rank
+    def order(self, epoch):
+        """This rank's sample indices for the epoch, in order (a disjoint share of the epoch-seeded
+        shuffle under torchrun, as DistributedSampler deals them)."""
+        if self.world > 1:
             sampler = torch.utils.data.DistributedSampler(self.ds, self.world, self.rank, shuffle=self.train,
                                                           seed=self.seed, drop_last=self.train)
             sampler.set_epoch(epoch)
-        dl = torch.utils.data.DataLoader(self.ds, self.batch_size // self.world, shuffle=self.train and sampler is None,
-                                         sampler=sampler, drop_last=self.train, generator=g, num_workers=self.workers,
-                                         pin_memory=self.device.type == "cuda")
-        for b, (x, y) in enumerate(dl):
-            if b >= start:  # worker-side augmentation is not replayed exactly after a resume
-                yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            return list(sampler)
+        if not self.train:
+            return list(range(len(self.ds)))
+        return torch.randperm(len(self.ds), generator=torch.Generator().manual_seed(self.seed * 100003 + epoch)).tolist()
+
+    def epoch(self, epoch, start=0):
+        """The batches of `epoch` from batch `start` on: a resumed run loads none of the batches before
+        it, and sees the same images, augmented the same way, as a run that never stopped."""
+        b = self.batch_size // self.world
+        idx = self.order(epoch)[start * b:]
+        dl = torch.utils.data.DataLoader(Seeded(self.ds, self.seed, epoch), b, sampler=idx, drop_last=self.train,
+                                         num_workers=self.workers, pin_memory=self.device.type == "cuda",
+                                         generator=torch.Generator().manual_seed(epoch))  # not the global RNG
+        for x, y in dl:
+            yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
 
 def folder_problem(root):

@@ -925,16 +925,22 @@ def test_failed_download_names_the_folder_and_the_offline_option(tmp_path, monke
     assert str(tmp_path / "cifar") in str(e.value)
 
 
-def test_image_folder_trains_through_main(tmp_path):
+def image_folder(root):
+    """An ImageNet-layout folder of random 40x48 PNGs: 3 classes, 12 training and 4 validation images each."""
     from PIL import Image
 
     g = torch.Generator().manual_seed(0)
     for split, n in (("train", 12), ("val", 4)):
         for c in ("cat", "dog", "eel"):
-            os.makedirs(tmp_path / "imgs" / split / c)
+            os.makedirs(root / split / c)
             for k in range(n):
                 px = (torch.rand(40, 48, 3, generator=g) * 255).to(torch.uint8).numpy()
-                Image.fromarray(px).save(tmp_path / "imgs" / split / c / f"{k}.png")
+                Image.fromarray(px).save(root / split / c / f"{k}.png")
+    return str(root)
+
+
+def test_image_folder_trains_through_main(tmp_path):
+    image_folder(tmp_path / "imgs")
     tr, te, info = data.load("folder", str(tmp_path / "imgs"), 8, "cpu", img_size=32, workers=0)
     assert (info.in_chans, info.img_size, info.num_classes) == (3, 32, 3) and len(tr) == 4 and len(te) == 2
     x, y = next(tr.epoch(0))
@@ -943,6 +949,24 @@ def test_image_folder_trains_through_main(tmp_path):
     model, _, _ = train.main(a)
     assert model.head.out_features == 3
     assert [r["type"] for r in read_log(a.out_dir)] == ["start", "update", "epoch", "summary"]  # 4 steps, an update at 2
+
+
+def test_image_folder_resumes_mid_epoch_with_the_same_augmented_batches(tmp_path):
+    root = image_folder(tmp_path / "imgs")
+    whole = list(data.FolderLoader(root, 32, 8, True, seed=0, workers=0).epoch(1))
+    assert len(whole) == 4  # 36 images, batches of 8, the last partial one dropped
+    torch.manual_seed(123)
+    rng = torch.get_rng_state()
+    for workers in (0, 2):  # the resumed part, with or without worker processes
+        rest = list(data.FolderLoader(root, 32, 8, True, seed=0, workers=workers).epoch(1, start=2))
+        assert len(rest) == 2
+        for (x, y), (wx, wy) in zip(rest, whole[2:]):
+            assert torch.equal(x, wx) and torch.equal(y, wy), workers
+    assert torch.equal(torch.get_rng_state(), rng)  # loading left the caller's RNG alone
+    # the augmentation is random all the same: the same images get other crops in another epoch
+    other = list(data.FolderLoader(root, 32, 8, True, seed=0, workers=0).epoch(2))
+    first = torch.cat([x for x, _ in whole]).flatten(1)
+    assert not any(torch.equal(a, b) for a in first for b in torch.cat([x for x, _ in other]).flatten(1))
 
 
 # ---- issue 9: static control, Fashion-MNIST offline, no flipped digits, study.py -------------------
