@@ -1438,9 +1438,9 @@ def close_weights(a, b):
 
 @pytest.mark.parametrize("method", ["barter", "masked"])
 def test_two_ranks_equal_one_process(tmp_path, method):
-    one = targs(tmp_path, method=method, epochs=1, max_steps=40, out_dir=str(tmp_path / "one"))
+    one = targs(tmp_path, method=method, epochs=1, max_steps=40, ema_decay=0.9, out_dir=str(tmp_path / "one"))
     train.main(one)
-    rc, out, err = torchrun(*DDP_ARGS, "--method", method, "--epochs", "1", "--max-steps", "40",
+    rc, out, err = torchrun(*DDP_ARGS, "--method", method, "--epochs", "1", "--max-steps", "40", "--ema-decay", "0.9",
                             "--out-dir", tmp_path / "two")
     assert rc == 0, err
     assert "2 ranks" in out and out.count("epoch 1 step 40") == 1  # rank 0 alone prints
@@ -1448,6 +1448,7 @@ def test_two_ranks_equal_one_process(tmp_path, method):
     ck = [torch.load(p / "checkpoint.pt", weights_only=False) for p in (tmp_path / "one", tmp_path / "two")]
     assert ck[0]["heads"] == ck[1]["heads"] and ck[0]["mlp"] == ck[1]["mlp"]
     close_weights(ck[1]["model"], ck[0]["model"])
+    close_weights(ck[1]["ema"], ck[0]["ema"])  # the average too: resized (or masked) in lockstep on every rank
     assert read_log(tmp_path / "two")[0]["world"] == 2
 
 
