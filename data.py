@@ -111,6 +111,11 @@ def torchvision_set(name, root, train):
     return x.contiguous(), torch.as_tensor(ds.targets).long()
 
 
+def epoch_seed(seed, epoch):
+    """The seed of one epoch's order and augmentation: every loader derives its RNGs from it."""
+    return seed * 100003 + epoch
+
+
 class TensorLoader:
     """Batches from uint8 images held on `device`; augmentation on the device. Under DDP (world > 1)
     every rank walks the same permutation and takes its slice of each global batch, augmented with the
@@ -134,7 +139,7 @@ class TensorLoader:
         n, B = len(self.x), self.batch_size
         order = torch.arange(n)
         if self.train:
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 100003 + epoch))
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(epoch_seed(self.seed, epoch)))
         for b in range(start, len(self)):
             whole = order[b * B:(b + 1) * B]
             part = torch.arange(len(whole)).tensor_split(self.world)[self.rank]  # this rank's slice
@@ -145,7 +150,7 @@ class TensorLoader:
             if x.shape[-2:] != (self.img_size, self.img_size):  # to the model's size, on the device
                 x = F.interpolate(x, size=(self.img_size, self.img_size), mode="bilinear", antialias=True)
             if self.train and self.aug:
-                g = torch.Generator().manual_seed((self.seed * 100003 + epoch) * 100003 + b)
+                g = torch.Generator().manual_seed(epoch_seed(self.seed, epoch) * 100003 + b)
                 x = self.augment(x, g, len(whole), part)
             yield (x - self.mean) / self.std, self.y[idx]
 
@@ -167,7 +172,7 @@ class Seeded(torch.utils.data.Dataset):
     workers or none, and the caller's RNG is left as it was."""
 
     def __init__(self, ds, seed, epoch):
-        self.ds, self.base = ds, (seed * 100003 + epoch) * 1000003
+        self.ds, self.base = ds, epoch_seed(seed, epoch) * 1000003
 
     def __len__(self):
         return len(self.ds)
@@ -207,7 +212,7 @@ class FolderLoader:
             return list(sampler)
         if not self.train:
             return list(range(len(self.ds)))
-        return torch.randperm(len(self.ds), generator=torch.Generator().manual_seed(self.seed * 100003 + epoch)).tolist()
+        return torch.randperm(len(self.ds), generator=torch.Generator().manual_seed(epoch_seed(self.seed, epoch))).tolist()
 
     def epoch(self, epoch, start=0):
         """The batches of `epoch` from batch `start` on: a resumed run loads none of the batches before
