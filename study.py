@@ -173,6 +173,16 @@ def paired_cell(diffs):
     return f"{statistics.mean(diffs):+.4f} +- {se:.4f} ({min(diffs):+.4f}-{max(diffs):+.4f})"
 
 
+def rows(a, res):
+    """(method, density, runs, static's runs at that density or None) for every finished cell, dense
+    first, then density by density in the order of --methods: the rows of the tables."""
+    for d in [1.0] + list(a.densities):
+        for m in a.methods:
+            runs = res.get((m, d))
+            if runs and (m == "dense") == (d == 1.0):
+                yield m, d, runs, res.get(("static", d)) if m != "static" and d != 1.0 else None
+
+
 def tables(a, res, eq=None, chosen=None):
     t = a.train
     lines = [f"Study: `{t.model}` on `{t.data}`, {t.epochs} epochs ({t.warmup_epochs} warmup), "
@@ -182,21 +192,15 @@ def tables(a, res, eq=None, chosen=None):
              + (f"; {a.jobs} runs at a time (times contended)" if a.jobs > 1 else ""), "",
              "| method | density | final top-1 | best top-1 | vs static, same seed | img/s | train s | seeds |",
              "|---|---|---|---|---|---|---|---|"]
-    for d in [1.0] + list(a.densities):
-        for m in a.methods:
-            runs = res.get((m, d))
-            if not runs or (m == "dense") != (d == 1.0):
-                continue
-            diff = paired(runs, res.get(("static", d))) if m != "static" and d != 1.0 else []
-            lines.append(f"| {m} | {d} | {spread([r['final_top1'] for r in runs])} | {spread([r['best_top1'] for r in runs])} | "
-                         f"{paired_cell(diff)} | {spread([r['img_per_s'] for r in runs], '{:.0f}')} | "
-                         f"{spread([r['train_seconds'] for r in runs], '{:.0f}')} | {len(runs)} |")
+    for m, d, runs, ref in rows(a, res):
+        lines.append(f"| {m} | {d} | {spread([r['final_top1'] for r in runs])} | {spread([r['best_top1'] for r in runs])} | "
+                     f"{paired_cell(paired(runs, ref))} | {spread([r['img_per_s'] for r in runs], '{:.0f}')} | "
+                     f"{spread([r['train_seconds'] for r in runs], '{:.0f}')} | {len(runs)} |")
     if any("final_top1_ema" in r for runs in res.values() for r in runs):
         lines += ["", f"The average of the weights (--train.ema-decay {t.ema_decay}), the same runs:", "",
                   "| method | density | final top-1 of the average | vs the model's own, same run | vs static's average, same seed |",
                   "|---|---|---|---|---|"]
-        for (m, d), runs in res.items():
-            ref = res.get(("static", d)) if m != "static" and d != 1.0 else None
+        for m, d, runs, ref in rows(a, res):
             lines.append(f"| {m} | {d} | {spread([r['final_top1_ema'] for r in runs])} | "
                          f"{paired_cell([r['final_top1_ema'] - r['final_top1'] for r in runs])} | "
                          f"{paired_cell(paired(runs, ref, 'final_top1_ema')) if ref else '-'} |")
