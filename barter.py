@@ -58,8 +58,10 @@ INIT_STD = 0.02  # the ViT's own init of a linear weight (vit.ViT.__init__)
 def resize(model, optimizer, heads, mlp, eps=0.0, generator=None, shadow=None):
     """Rebuild block i with the source units heads[i] / mlp[i] (LongTensors, None = untouched).
     A source that appears m times is split into m copies: input side copied, its weights perturbed by
-    +-eps * rms(row) * u (u ~ N(0, 1), opposite signs for the copies, so their mean stays the source),
-    output side divided by m.
+    +-eps * s * u (u ~ N(0, 1), opposite signs for the copies, so their mean stays the source; s the
+    tensor's median row RMS, not the row's own: each copy's row is longer than the source's, and a push
+    in units of the row itself grew a lineage that kept being split by sqrt(1 + eps^2) a split, without
+    bound), output side divided by m.
     A source FRESH (-1) is a new unit: input weights drawn like the init, input bias and output side
     zero. The function is unchanged for eps = 0, and to first order in eps otherwise.
     Optimizer state goes through the same indices (scaled by STATE_POWER on a split's input side);
@@ -118,7 +120,7 @@ def resize(model, optimizer, heads, mlp, eps=0.0, generator=None, shadow=None):
                 new = gather(old, 0 if side == "in" else 1, draw)
                 if side == "in" and attr == "weight" and eps > 0 and bool((m > 1).any()):
                     u = torch.randn(old.shape, generator=generator).to(old.device, old.dtype)
-                    u = u * old.pow(2).mean(1 - dim, keepdim=True).sqrt()  # in units of each row's size
+                    u = u * old.pow(2).mean(1 - dim).sqrt().median()  # in units of the tensor's typical row
                     new += eps * per_row(sign, w, seg).view(shape).to(old.dtype) * u.index_select(dim, rows)
                 new = nn.Parameter(new, requires_grad=old.requires_grad)
                 setattr(mod, attr, new)
@@ -338,7 +340,7 @@ class Barter:
     shadow = None  # train.py's EMA of the weights ({Parameter: tensor}), resized with them at every update
 
     def __init__(self, model, schedule, dense_frac=0.1, head_frac=None, mlp_frac=None, eps=1.0, seed=0, grow="clone", trade=True):
-        """eps: the clone's symmetry breaking, in units of each input row's RMS. With eps ~ 1e-3 the two
+        """eps: the clone's symmetry breaking, in units of the tensor's median input-row RMS. With eps ~ 1e-3 the two
         halves of a split stay near-duplicates for the whole run (measured: half of all channels at
         d = 0.3), so a clone adds no capacity; with eps = 1 they are distinct units from the start.
         grow: 'clone' (Net2Net split of a strong unit) or 'fresh' (a new unit, zero output side)."""
