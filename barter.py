@@ -114,10 +114,11 @@ def resize(model, optimizer, heads, mlp, eps=0.0, generator=None, shadow=None):
                     out = out * inv_m ** power if power else out
                     return torch.where(is_new, fill, out) if bool(new_unit.any()) else out
 
+                wpower = 0 if side == "in" else 1  # a weight (and its average) is divided by m on the output side
                 draw = 0.0
                 if side == "in" and attr == "weight" and bool(new_unit.any()):
                     draw = nn.init.trunc_normal_(torch.empty(size), std=INIT_STD, generator=generator).to(old.device, old.dtype)
-                new = gather(old, 0 if side == "in" else 1, draw)
+                new = gather(old, wpower, draw)
                 if side == "in" and attr == "weight" and eps > 0 and bool((m > 1).any()):
                     u = torch.randn(old.shape, generator=generator).to(old.device, old.dtype)
                     u = u * old.pow(2).mean(1 - dim).sqrt().median()  # in units of the tensor's typical row
@@ -125,7 +126,7 @@ def resize(model, optimizer, heads, mlp, eps=0.0, generator=None, shadow=None):
                 new = nn.Parameter(new, requires_grad=old.requires_grad)
                 setattr(mod, attr, new)
                 if shadow is not None:
-                    shadow[new] = gather(shadow.pop(old), 0 if side == "in" else 1, 0.0)
+                    shadow[new] = gather(shadow.pop(old), wpower, 0.0)
                 if optimizer is None:
                     continue
                 if id(old) not in where:
