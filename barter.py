@@ -257,11 +257,11 @@ def exchange(head_scores, channel_scores, rate, margin=2.0):
     """Which kind gives weights to the other: +1 turns the `rate` weakest channels into one head,
     -1 a head into `rate` channels, 0 neither. The weakest head decides both ways, though the head
     `select` gives up is the weakest one above its block's floor (deciding -1 on that head instead
-    changed no decision in the 3-epoch study and was level in 8 augmented epochs: README, Accuracy). A head's qkv + proj weigh as much as `rate`
-    channels' fc1 + fc2, and the gate-Taylor score estimates the loss change of removing a unit, so
-    the kind whose cheapest `rate`-channels' worth costs less to remove gives it up. `margin` keeps
-    the split from flapping by a head at every update (a head swap is the costliest move there is).
-    One per update: trading as many as the scores asked for rushed from 11 to 24 heads at d = 0.3
+    changed no decision in the 3-epoch study and was level in 8 augmented epochs: README, Accuracy).
+    A head's qkv + proj weigh as much as `rate` channels' fc1 + fc2, and the gate-Taylor score
+    estimates the loss change of removing a unit, so the kind whose cheapest `rate`-channels' worth
+    costs less to remove gives it up. `margin` keeps the split from flapping by a head at every
+    update (a head swap is the costliest move there is). One per update: trading as many as the scores asked for rushed from 11 to 24 heads at d = 0.3
     within three updates, moved half the channels, and learned less (README, Accuracy)."""
     if not head_scores or len(channel_scores) < rate:
         return 0
