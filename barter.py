@@ -261,8 +261,9 @@ def exchange(head_scores, channel_scores, rate, margin=2.0):
     A head's qkv + proj weigh as much as `rate` channels' fc1 + fc2, and the gate-Taylor score
     estimates the loss change of removing a unit, so the kind whose cheapest `rate`-channels' worth
     costs less to remove gives it up. `margin` keeps the split from flapping by a head at every
-    update (a head swap is the costliest move there is). One per update: trading as many as the scores asked for rushed from 11 to 24 heads at d = 0.3
-    within three updates, moved half the channels, and learned less (README, Accuracy)."""
+    update (a head swap is the costliest move there is). One per update: trading as many as the
+    scores asked for rushed from 11 to 24 heads at d = 0.3 within three updates, moved half the
+    channels, and learned less (README, Accuracy)."""
     if not head_scores or len(channel_scores) < rate:
         return 0
     head, channels = min(head_scores), sum(sorted(channel_scores)[:rate])
