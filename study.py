@@ -8,10 +8,11 @@ Writes, under --out: one folder per run (train.py's log.jsonl and checkpoint.pt)
 tables), curves.json (every run's per-epoch records) and equal_time.json (the epochs chosen for the
 equal wall-clock runs, fixed once measured so that a resumed study reuses them).
 """
-import concurrent.futures as cf
 import json
 import multiprocessing as mp
+import multiprocessing.connection
 import os
+import signal
 import statistics
 import sys
 from contextlib import redirect_stderr, redirect_stdout
@@ -65,7 +66,9 @@ def finished(out):
 
 
 def execute(args, threads=None, log_file=None):
-    """One run through train.main, resumed from its checkpoint if it has one. Returns an error or None."""
+    """One run through train.main, resumed from its checkpoint if it has one. Returns an error or None;
+    raises KeyboardInterrupt if a signal stopped the run (train.py then saves a checkpoint and returns
+    without the summary record that ends every finished or --max-steps run)."""
     if threads:
         torch.set_num_threads(threads)
     ckpt = os.path.join(args.out_dir, "checkpoint.pt")
@@ -79,30 +82,65 @@ def execute(args, threads=None, log_file=None):
                 train.main(args)
     except (Exception, SystemExit) as e:  # one broken run must not end the study
         return f"{type(e).__name__}: {e}"
+    if train.read_log(args.out_dir)[-1]["type"] != "summary":
+        raise KeyboardInterrupt
     return None
 
 
+def child(conn, *args):
+    """A run in its own process (--jobs > 1): its error, None, or "interrupted", sent back on conn."""
+    try:
+        conn.send(execute(*args))
+    except KeyboardInterrupt:
+        conn.send("interrupted")
+
+
 def run_all(a, runs, desc):
-    """Run every (name, train.Args) not finished yet; returns {name: error} for those that failed."""
+    """Run every (name, train.Args) not finished yet; returns {name: error} for those that failed.
+    Ctrl-C or SIGTERM: no new run starts, the running ones save a checkpoint and stop, and
+    KeyboardInterrupt is raised; the same command later resumes them."""
     todo = [(n, r) for n, r in runs if finished(r.out_dir) is None]
-    errors = {}
+    errors, running = {}, {}  # running: {process sentinel: (name, process, connection)}
     bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc=desc, unit="run", disable=None)
-    if a.jobs == 1:
-        for name, r in todo:
-            bar.set_postfix_str(name)
-            errors[name] = execute(r)
-            bar.update(1)
-    else:
+    try:
+        if a.jobs == 1:
+            for name, r in todo:
+                bar.set_postfix_str(name)
+                errors[name] = execute(r)
+                bar.update(1)
+            return {n: e for n, e in errors.items() if e}
         logs = os.path.join(a.out, "logs")
         os.makedirs(logs, exist_ok=True)
         threads = max(1, (os.cpu_count() or 1) // a.jobs)
-        with cf.ProcessPoolExecutor(a.jobs, mp_context=mp.get_context("spawn")) as pool:
-            futs = {pool.submit(execute, r, threads, os.path.join(logs, name + ".txt")): name for name, r in todo}
-            for fut in cf.as_completed(futs):
-                errors[futs[fut]] = fut.result()
+        # one fresh process per run, started only when a slot is free (a pool would have queued runs
+        # that start even after an interruption). Not daemonic: --data folder runs start DataLoader workers
+        ctx = mp.get_context("spawn")
+        while todo or running:
+            while todo and len(running) < a.jobs:
+                name, r = todo.pop(0)
+                rx, tx = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=child, args=(tx, r, threads, os.path.join(logs, name + ".txt")))
+                p.start()
+                tx.close()
+                running[p.sentinel] = (name, p, rx)
+            for s in mp.connection.wait(list(running)):
+                name, p, rx = running.pop(s)
+                p.join()
+                try:
+                    result = rx.recv()
+                except EOFError:  # it died before it could answer (killed, out of memory)
+                    result = f"the run's process exited with code {p.exitcode}"
+                if result == "interrupted":
+                    raise KeyboardInterrupt
+                errors[name] = result
                 bar.update(1)
-    bar.close()
-    return {n: e for n, e in errors.items() if e}
+        return {n: e for n, e in errors.items() if e}
+    finally:  # on an interruption (or any error) the runs still going save a checkpoint and stop
+        for _, p, _ in running.values():
+            p.terminate()  # SIGTERM: train.py finishes the step, saves and returns
+        for _, p, _ in running.values():
+            p.join()
+        bar.close()
 
 
 def grid(a):
@@ -269,8 +307,16 @@ def main(a: Args):
 if __name__ == "__main__":
     import tyro
 
+    def interrupt(sig, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)  # a scheduler's SIGTERM stops the study as Ctrl-C does
     try:
         main(tyro.cli(Args))
     except train.ArgError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
+    except KeyboardInterrupt:
+        print("interrupted: finished runs are kept and the running ones saved a checkpoint; "
+              "the same command continues the study", file=sys.stderr)
+        raise SystemExit(130)

@@ -1137,6 +1137,40 @@ def test_study_table_resume_and_equal_time(tmp_path, monkeypatch):
     assert calls == []
 
 
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_study_sigterm_stops_every_run_and_resumes(tmp_path, jobs):
+    # a scheduler's SIGTERM to study.py alone: no queued run starts, no run's process outlives the
+    # study, the running ones save a checkpoint, and the same command finishes the study
+    out = tmp_path / "study"
+    cmd = [sys.executable, "study.py", "--methods", "static", "--densities", "0.3", "--seeds", "0", "1", "2",
+           "--equal-time", "--jobs", str(jobs), "--out", str(out), "--train.model", "micro", "--train.data",
+           "synthetic", "--train.batch-size", "500", "--train.epochs", "8", "--train.warmup-epochs", "0",
+           "--train.device", "cpu"]  # 10 steps an epoch
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    started = [out / f"static-d0.3-s{s}" / "checkpoint.pt" for s in range(jobs)]
+    deadline = time.time() + 120
+    while not all(c.exists() for c in started) and time.time() < deadline and p.poll() is None:
+        time.sleep(0.1)  # the first epoch's checkpoint of every run started: training is under way
+    with open(f"/proc/{p.pid}/task/{p.pid}/children") as f:  # the runs' processes (not the resource tracker)
+        children = [c for c in f.read().split() if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
+    assert len(children) == (jobs if jobs > 1 else 0)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and "interrupted: finished runs are kept" in err, err
+    assert not any(os.path.exists(f"/proc/{c}") for c in children)  # a run's process, joined
+    assert not (out / "static-d0.3-s2").exists()  # queued, never started
+    for s in range(jobs):
+        log = read_log(out / f"static-d0.3-s{s}")
+        ck = torch.load(started[s], weights_only=False)
+        assert log[-1]["type"] != "summary" and 10 <= ck["step"] < 80
+    if jobs == 2:
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+        assert r.returncode == 0, r.stderr
+        for s in range(3):
+            log = read_log(out / f"static-d0.3-s{s}")
+            assert [x["type"] for x in log].count("start") == 1 and log[-1]["type"] == "summary" and log[-1]["step"] == 80
+
+
 def test_study_bad_arguments(tmp_path):
     import study
 
