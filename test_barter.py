@@ -475,8 +475,12 @@ def test_random_updates_keep_budgets_exact(frac, split):
 
 def test_budget_rounding_and_errors():
     budget, lo, hi = unit_budgets(PRESETS["cifar-tiny"], 0.1)
-    # 12 heads would take more than half of the channels: no block floor, blocks may have no head
+    # 8 more heads would cost 1024 channels, more than the 922: no block floor, blocks may have no head
     assert budget == {"heads": 4, "mlp": 922} and lo["heads"] == [0] * 12 and hi["mlp"] == [768] * 12
+    # 4 more heads cost 4 * 32 of the 154 channels and leave at least one per block: paid
+    budget, lo, hi = unit_budgets(PRESETS["tiny-32"], 0.1)
+    assert budget == {"heads": 6, "mlp": 154 - 4 * 32} and lo["heads"] == [1] * 6 and lo["mlp"] == [0] * 6
+    assert unit_budgets(PRESETS["micro"], 0.1)[0] == {"heads": 1, "mlp": 19}  # 2 more heads: 32 > 19 - 3
     cfg = PRESETS["tiny-28"]  # 6 blocks of 6 heads (head_dim 12) and 288 channels
     budget, lo, hi = unit_budgets(cfg, 0.1)
     assert budget == {"heads": 6, "mlp": 173 - 2 * 24} and lo["heads"] == [1] * 6

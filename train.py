@@ -43,7 +43,7 @@ class Args:
     mlp_frac: Optional[float] = None
     """separate MLP-channel density for barter/masked (None: --dense-frac)"""
     model: str = "cifar-tiny"
-    """model preset: micro, cifar-tiny, tiny-28, deit-tiny, deit-small, deit-base"""
+    """model preset: micro, cifar-tiny, tiny-28, tiny-32, deit-tiny, deit-small, deit-base"""
     img_size: Optional[int] = None
     """image size the model sees (None: the preset's); the small datasets are resized to it on the device"""
     data: Literal["cifar10", "cifar100", "mnist", "fashion-mnist", "synthetic", "folder"] = "cifar10"

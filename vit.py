@@ -47,6 +47,8 @@ PRESETS = {
     "cifar-tiny": ViTConfig(img_size=32, patch_size=4, dim=192, depth=12, num_heads=3),
     # 28 px (MNIST, Fashion-MNIST), 4x4 patches of 7 px: small enough for accuracy studies on a CPU
     "tiny-28": ViTConfig(img_size=28, patch_size=7, in_chans=1, dim=72, depth=6, num_heads=6),
+    # the model issue 9 measured on digits (28 px to 32, 8x8 patches of 4 px): 4 times tiny-28's tokens
+    "tiny-32": ViTConfig(img_size=32, patch_size=4, in_chans=1, dim=64, depth=6, num_heads=4),
     "deit-tiny": ViTConfig(img_size=224, patch_size=16, num_classes=1000, dim=192, depth=12, num_heads=3),
     "deit-small": ViTConfig(img_size=224, patch_size=16, num_classes=1000, dim=384, depth=12, num_heads=6),
     "deit-base": ViTConfig(img_size=224, patch_size=16, num_classes=1000, dim=768, depth=12, num_heads=12),
