@@ -100,7 +100,7 @@ def run_all(a, runs, desc):
     Ctrl-C or SIGTERM: no new run starts, the running ones save a checkpoint and stop, and
     KeyboardInterrupt is raised; the same command later resumes them."""
     todo = [(n, r) for n, r in runs if finished(r.out_dir) is None]
-    errors, running = {}, {}  # running: {process sentinel: (name, process, connection)}
+    errors = {}
     bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc=desc, unit="run", disable=None)
     try:
         if a.jobs == 1:
@@ -108,13 +108,23 @@ def run_all(a, runs, desc):
                 bar.set_postfix_str(name)
                 errors[name] = execute(r)
                 bar.update(1)
-            return {n: e for n, e in errors.items() if e}
-        logs = os.path.join(a.out, "logs")
-        os.makedirs(logs, exist_ok=True)
-        threads = max(1, (os.cpu_count() or 1) // a.jobs)
-        # one fresh process per run, started only when a slot is free (a pool would have queued runs
-        # that start even after an interruption). Not daemonic: --data folder runs start DataLoader workers
-        ctx = mp.get_context("spawn")
+        else:
+            run_parallel(a, todo, errors, bar)
+    finally:
+        bar.close()
+    return {n: e for n, e in errors.items() if e}
+
+
+def run_parallel(a, todo, errors, bar):
+    """--jobs > 1: one fresh process per run, started only when a slot is free (a pool would have
+    queued runs that start even after an interruption); not daemonic, since --data folder runs start
+    DataLoader workers. Fills errors {name: error or None}."""
+    logs = os.path.join(a.out, "logs")
+    os.makedirs(logs, exist_ok=True)
+    threads = max(1, (os.cpu_count() or 1) // a.jobs)
+    ctx = mp.get_context("spawn")
+    running = {}  # {process sentinel: (name, process, connection)}
+    try:
         while todo or running:
             while todo and len(running) < a.jobs:
                 name, r = todo.pop(0)
@@ -134,13 +144,11 @@ def run_all(a, runs, desc):
                     raise KeyboardInterrupt
                 errors[name] = result
                 bar.update(1)
-        return {n: e for n, e in errors.items() if e}
     finally:  # on an interruption (or any error) the runs still going save a checkpoint and stop
         for _, p, _ in running.values():
             p.terminate()  # SIGTERM: train.py finishes the step, saves and returns
         for _, p, _ in running.values():
             p.join()
-        bar.close()
 
 
 def grid(a):
