@@ -100,25 +100,26 @@ def run_all(a, runs, desc):
     Ctrl-C or SIGTERM: no new run starts, the running ones save a checkpoint and stop, and
     KeyboardInterrupt is raised; the same command later resumes them."""
     todo = [(n, r) for n, r in runs if finished(r.out_dir) is None]
-    errors = {}
     bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc=desc, unit="run", disable=None)
     try:
-        if a.jobs == 1:
-            for name, r in todo:
-                bar.set_postfix_str(name)
-                errors[name] = execute(r)
-                bar.update(1)
-        else:
-            run_parallel(a, todo, errors, bar)
+        if a.jobs > 1:
+            return run_parallel(a, todo, bar)
+        errors = {}
+        for name, r in todo:
+            bar.set_postfix_str(name)
+            if err := execute(r):
+                errors[name] = err
+            bar.update(1)
+        return errors
     finally:
         bar.close()
-    return {n: e for n, e in errors.items() if e}
 
 
-def run_parallel(a, todo, errors, bar):
+def run_parallel(a, todo, bar):
     """--jobs > 1: one fresh process per run, started only when a slot is free (a pool would have
     queued runs that start even after an interruption); not daemonic, since --data folder runs start
-    DataLoader workers. Fills errors {name: error or None}."""
+    DataLoader workers. Returns {name: error} for the runs that failed."""
+    errors = {}
     logs = os.path.join(a.out, "logs")
     os.makedirs(logs, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // a.jobs)
@@ -142,13 +143,15 @@ def run_parallel(a, todo, errors, bar):
                     result = f"the run's process exited with code {p.exitcode}"
                 if result == "interrupted":
                     raise KeyboardInterrupt
-                errors[name] = result
+                if result:
+                    errors[name] = result
                 bar.update(1)
     finally:  # on an interruption (or any error) the runs still going save a checkpoint and stop
         for _, p, _ in running.values():
             p.terminate()  # SIGTERM: train.py finishes the step, saves and returns
         for _, p, _ in running.values():
             p.join()
+    return errors
 
 
 def grid(a):
