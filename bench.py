@@ -9,6 +9,7 @@ allocator peak on GPU; on CPU the peak RSS growth of a fresh process that runs o
 """
 import json
 import multiprocessing as mp
+import os
 import platform
 import re
 import statistics
@@ -23,8 +24,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import train
+import vit
 from barter import Schedule
-from vit import ViT, preset
+from vit import ViT, ViTConfig, preset
 
 
 @dataclass
@@ -53,17 +55,24 @@ class Args:
     """measure peak memory (on CPU: one subprocess per configuration)"""
     profile: bool = False
     """also print which ops the time of a step goes to (torch.profiler), for masked and barter at the lowest density"""
+    runs: tuple[str, ...] = ()
+    """barter run folders of train.py (or their checkpoint.pt): each is also timed at the units per block it
+    holds (where its trades took the split of heads and channels), beside masked and BARTER's start at the
+    run's model, density and image size. With --runs and no --models, only the runs are timed"""
     out: str = "bench.json"
     """JSON output path"""
 
 
-def build(model_name, method, density, batch_size, device, seed=0):
-    """Model, method, optimizer and one fixed batch for one configuration."""
+def build(model_name, method, density, batch_size, device, seed=0, cfg=None, fracs=(None, None), split=None):
+    """Model, method, optimizer and one fixed batch for one configuration. split: {kind: units per block}
+    of a trained run, built the way train.py resumes it (no init_model: the model has those shapes);
+    cfg, fracs: that run's config and --head-frac / --mlp-frac (default: the preset, one density)."""
     torch.manual_seed(seed)
-    cfg = preset(model_name)
-    model = ViT(cfg).to(device)
-    meth = train.make_method(method, model, Schedule(total_steps=10**9, update_every=10**9), density, seed=seed)
-    meth.init_model()
+    cfg = cfg or preset(model_name)
+    model = ViT(cfg, **(split or {})).to(device)
+    meth = train.make_method(method, model, Schedule(total_steps=10**9, update_every=10**9), density, *fracs, seed=seed)
+    if split is None:
+        meth.init_model()
     opt = train.make_optimizer(model, 1e-4, 0.05)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch_size, cfg.in_chans, cfg.img_size, cfg.img_size, generator=g).to(device)
@@ -72,9 +81,13 @@ def build(model_name, method, density, batch_size, device, seed=0):
 
 
 class Config:
-    def __init__(self, model_name, method, density, batch_size, device, bf16, compile):
-        self.key = dict(model=model_name, method=method, density=density if method != "dense" else 1.0)
-        self.model, self.meth, self.opt, self.x, self.y = build(model_name, method, density, batch_size, device)
+    def __init__(self, model_name, method, density, batch_size, device, bf16, compile, cfg=None, fracs=(None, None),
+                 split=None, group=None):
+        self.key = dict(model=group or model_name, method=method, density=density if method != "dense" else 1.0)
+        if split:
+            self.key["split"] = "end"  # a trained run's units, not the start's
+        self.model, self.meth, self.opt, self.x, self.y = build(model_name, method, density, batch_size, device, 0,
+                                                                cfg, fracs, split)
         self.fwd = torch.compile(self.model) if compile else self.model
         self.amp = train.autocast(device, bf16)
         self.device, self.t, self.times = device, 0, []
@@ -97,7 +110,7 @@ def status_mb(field):
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024  # kB
 
 
-def peak_memory(model_name, method, density, batch_size, device, bf16, steps=2):
+def peak_memory(model_name, method, density, batch_size, device, bf16, cfg=None, fracs=(None, None), split=None, steps=2):
     """MB of peak memory one configuration allocates (run alone: see the module docstring)."""
     device = torch.device(device)
     if device.type == "cuda":
@@ -111,7 +124,7 @@ def peak_memory(model_name, method, density, batch_size, device, bf16, steps=2):
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         base = status_mb("VmRSS")
-    c = Config(model_name, method, density, batch_size, device, bf16, False)
+    c = Config(model_name, method, density, batch_size, device, bf16, False, cfg, fracs, split)
     c.run(steps)
     if device.type == "cuda":
         peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
@@ -165,7 +178,7 @@ def top_ops(c, steps, rows=12):
         c.run(steps)
         train.sync(c.device)
     table = prof.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=rows)
-    return f"{c.key['model']} {c.key['method']} d={c.key['density']}, {steps} steps\n{table}"
+    return f"{c.key['model']} {label(c.key)} d={c.key['density']}, {steps} steps\n{table}"
 
 
 def update_cost(c, repeats=3):
@@ -184,6 +197,23 @@ def update_cost(c, repeats=3):
     return statistics.median(times)
 
 
+def run_group(path):
+    """A barter run's configurations, at its model, density and image size: masked, BARTER's start, and
+    BARTER at the units per block the run's checkpoint holds. Returns (group, model, spec, [(method, density, split)])."""
+    f = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
+    try:
+        ck = vit.read_checkpoint(f)
+    except vit.WeightsError as e:
+        raise SystemExit(f"error: --runs {e}") from None
+    a = ck["args"]
+    if a["method"] != "barter":
+        raise SystemExit(f"error: --runs {path!r} is a {a['method']} run: only a barter run's split moves")
+    spec = dict(cfg=ViTConfig(**ck["cfg"]), fracs=(a.get("head_frac"), a.get("mlp_frac")))
+    split = {"heads": list(ck["heads"]), "mlp": list(ck["mlp"])}
+    d = a["dense_frac"]
+    return f"{a['model']} {path}", a["model"], spec, [("masked", d, None), ("barter", d, "start"), ("barter", d, split)]
+
+
 def main(a: Args):
     if (a.steps is not None and a.steps < 1) or a.rounds < 1 or a.warmup < 0 or not a.densities or not a.methods:
         raise SystemExit("error: --steps and --rounds must be positive, --densities and --methods non-empty")
@@ -192,43 +222,57 @@ def main(a: Args):
         raise SystemExit(f"error: unknown method or density out of (0, 1]: {', '.join(bad)}")
     device = train.pick_device(a.device)
     steps = a.steps or (10 if device.type == "cuda" else 2)
-    models = a.models or (("cifar-tiny", "deit-small") if device.type == "cuda" else ("cifar-tiny",))
+    models = a.models or (() if a.runs else ("cifar-tiny", "deit-small") if device.type == "cuda" else ("cifar-tiny",))
     bf16 = a.bf16 if a.bf16 is not None else train.bf16_supported(device)
     machine = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
                "cpu_threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
                "bf16": bf16, "compile": a.compile}
+    # (group, model, spec, [(method, density, split)]): split None, "start" (BARTER's start beside a run's
+    # end) or a run's {kind: units per block}; dense once per model: it has no density
+    groups = [(m, m, {}, [(meth, d, None) for d in a.densities for meth in a.methods if not (meth == "dense" and d != a.densities[0])])
+              for m in models] + [run_group(p) for p in a.runs]
     rows, profiles = [], []
-    for model_name in models:
-        bs = a.batch_size or (128 if preset(model_name).img_size <= 64 else 256)
-        configs = [Config(model_name, m, d, bs, device, bf16, a.compile) for d in a.densities for m in a.methods
-                   if not (m == "dense" and d != a.densities[0])]  # dense once: it has no density
-        for c in tqdm(configs, desc=f"{model_name} warm-up", leave=False, disable=None):
+    for group, model_name, spec, todo in groups:
+        bs = a.batch_size or (128 if (spec.get("cfg") or preset(model_name)).img_size <= 64 else 256)
+        configs = []
+        for m, d, split in todo:
+            c = Config(model_name, m, d, bs, device, bf16, a.compile, split=split if isinstance(split, dict) else None,
+                       group=group, **spec)
+            if split == "start":
+                c.key["split"] = "start"
+            c.mem_spec = (model_name, m, d, bs, str(device), bf16, spec.get("cfg"), spec.get("fracs", (None, None)),
+                          split if isinstance(split, dict) else None)
+            configs.append(c)
+        for c in tqdm(configs, desc=f"{group} warm-up", leave=False, disable=None):
             c.run(a.warmup)
-        for _ in tqdm(range(a.rounds), desc=f"{model_name} rounds", leave=False, disable=None):
+        for _ in tqdm(range(a.rounds), desc=f"{group} rounds", leave=False, disable=None):
             for c in configs:
                 c.timed(steps)
         if a.profile:
-            low = min(a.densities)
+            low = min(c.key["density"] for c in configs)
             profiles += [top_ops(c, steps) for c in configs if c.key["density"] == low and c.key["method"] in ("masked", "barter")]
+        mine = []
         for c in configs:
             r = {**c.key, "batch_size": bs, "step_ms": 1e3 * statistics.median(c.times),
                  "step_ms_min": 1e3 * min(c.times), "step_ms_max": 1e3 * max(c.times),
                  "img_per_s": bs / statistics.median(c.times), "flops_per_img": c.model.flops_per_image(),
                  "density_measured": c.meth.density(), "act_by_op": activation_mb(c)}
             r["act_mb_per_img"] = sum(r["act_by_op"].values())
+            if r["method"] in train.UNIT_METHODS:
+                r["units"] = {k: c.model.counts(k) for k in ("heads", "mlp")}
             if r["method"] == "barter":
                 r["update_ms"] = 1e3 * update_cost(c)
                 r["update_share"] = r["update_ms"] / (train.Args.update_every * r["step_ms"] + r["update_ms"])
-            rows.append(r)
+            mine.append((r, c.mem_spec))
+        rows += [r for r, _ in mine]
         del configs, c  # free them before the memory of each configuration is measured alone
         if a.memory:
-            for r in tqdm([r for r in rows if r["model"] == model_name], desc=f"{model_name} memory", leave=False, disable=None):
-                spec = (model_name, r["method"], r["density"], bs, str(device), bf16)
+            for r, mem_spec in tqdm(mine, desc=f"{group} memory", leave=False, disable=None):
                 if device.type == "cuda":
-                    r["peak_mem_mb"] = peak_memory(*spec)
+                    r["peak_mem_mb"] = peak_memory(*mem_spec)
                 else:
                     with mp.get_context("spawn").Pool(1) as pool:
-                        r["peak_mem_mb"] = pool.apply(peak_memory, spec)
+                        r["peak_mem_mb"] = pool.apply(peak_memory, mem_spec)
     for r in rows:  # ratios against full-tensor structured DST at the same density
         ref = next((q for q in rows if q["model"] == r["model"] and q["method"] == "masked" and q["density"] == r["density"]), None)
         if ref:
@@ -244,6 +288,14 @@ def main(a: Args):
     return result
 
 
+def label(r):
+    """A row's method, and for a run's rows which split: 'barter (end: 17 heads + 374 channels)'."""
+    if "split" not in r:
+        return r["method"]
+    u = r.get("units")
+    return f"{r['method']} ({r['split']}" + (f": {sum(u['heads'])} heads + {sum(u['mlp'])} channels)" if u else ")")
+
+
 def table(result):
     m = result["machine"]
     lines = [f"{m['device']}, {m['cpu_threads']} threads, torch {m['torch']}, bf16 {m['bf16']}, compile {m['compile']}; "
@@ -253,7 +305,7 @@ def table(result):
     for r in result["rows"]:
         f = lambda k, fmt, unit="": format(r[k], fmt) + unit if k in r else "-"
         upd = f"{r['update_ms']:.1f} ({100 * r['update_share']:.2f}%)" if "update_ms" in r else "-"
-        lines.append(f"| {r['model']} | {r['method']} | {r['density']} | {r['step_ms']:.1f} ({r['step_ms_min']:.1f}-{r['step_ms_max']:.1f}) "
+        lines.append(f"| {r['model']} | {label(r)} | {r['density']} | {r['step_ms']:.1f} ({r['step_ms_min']:.1f}-{r['step_ms_max']:.1f}) "
                      f"| {r['img_per_s']:.0f} | {f('peak_mem_mb', '.0f')} | {r['act_mb_per_img']:.2f} | {f('speedup_vs_masked', '.2f', 'x')} | {f('ideal_speedup', '.2f', 'x')} "
                      f"| {f('mem_vs_masked', '.2f')} | {upd} |")
     # what the activation memory consists of, at the lowest density: which op keeps what for backward
@@ -263,7 +315,7 @@ def table(result):
         most = {op: max(r["act_by_op"].get(op, 0) for r in cols) for r in cols for op in r["act_by_op"]}
         ops = sorted((op for op in most if most[op] >= 0.005), key=lambda op: -most[op])  # 0.00 everywhere: left out
         lines += ["", f"{model}, density {low}: MB per image that autograd keeps for backward, by op", "",
-                  "| op | " + " | ".join(r["method"] for r in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+                  "| op | " + " | ".join(label(r) for r in cols) + " |", "|---" * (len(cols) + 1) + "|"]
         lines += [f"| {op} | " + " | ".join(f"{r['act_by_op'].get(op, 0):.2f}" for r in cols) + " |" for op in ops]
     return "\n".join(lines)
 

@@ -137,15 +137,18 @@ def draw_bench(res, out):
     device = res["machine"].get("device", "?")
     for (sp, mem), model in zip(ax, models):
         rows = [r for r in res["rows"] if r["model"] == model]
-        methods = [m for m in dict.fromkeys(r["method"] for r in rows)]
+        def series(r):  # a barter run's start and end splits (bench.py --runs) are two series
+            return r["method"] + (f" ({r['split']})" if "split" in r else "")
+
+        methods = [m for m in dict.fromkeys(series(r) for r in rows)]
         for i, m in enumerate(methods):
-            mine = sorted((r for r in rows if r["method"] == m), key=lambda r: r["density"])
+            mine = sorted((r for r in rows if series(r) == m), key=lambda r: r["density"])
             d = [r["density"] for r in mine]
             if all("peak_mem_mb" in r for r in mine):  # absent after bench.py --no-memory
                 mem.plot(d, [r["peak_mem_mb"] for r in mine], marker="o", color=f"C{i}", label=m)
             if m not in ("masked", "dense"):
                 sp.plot(d, [r["speedup_vs_masked"] for r in mine], marker="o", color=f"C{i}", label=f"{m} (measured)")
-                sp.plot(d, [r["ideal_speedup"] for r in mine], linestyle="--", color=f"C{i}", label=f"{m} ideal (FLOPs)")
+                sp.plot(d, [r["ideal_speedup"] for r in mine], linestyle="--", marker="x", color=f"C{i}", label=f"{m} ideal (FLOPs)")
         sp.axhline(1.0, color="gray", linewidth=1)
         sp.set_title(f"{model} on {device}: speedup over masked per step", fontsize=9)
         measured = any("peak_mem_mb" in r for r in rows)
@@ -154,7 +157,8 @@ def draw_bench(res, out):
             a.set_xlabel("density")
             a.set_ylabel(name)
             a.grid(alpha=0.3)
-            a.legend(fontsize=7)
+            if a.get_legend_handles_labels()[0]:  # nothing drawn without memory numbers
+                a.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=80)
     plt.close(fig)

@@ -1264,6 +1264,36 @@ def test_plot_bench_and_bad_inputs(two_runs, tmp_path):
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr and "Traceback" not in r.stderr
 
 
+def test_bench_times_a_runs_end_split(two_runs, tmp_path):
+    import bench
+
+    tmp, outs = two_runs
+    barter_run, masked_run = outs
+    res = bench.main(bench.Args(runs=(barter_run,), steps=1, rounds=1, warmup=0, device="cpu",
+                                out=str(tmp_path / "bench.json")))
+    start = read_log(barter_run)[0]["counts"]
+    trained = vit.load(os.path.join(barter_run, "checkpoint.pt"))
+    masked, begin, end = res["rows"]  # only the run's group: --runs and no --models
+    assert {r["model"] for r in res["rows"]} == {f"micro {barter_run}"} and masked["method"] == "masked"
+    assert (begin["method"], begin["split"], end["method"], end["split"]) == ("barter", "start", "barter", "end")
+    # the start is the run's start, the end is the architecture the checkpoint loads back as
+    assert begin["units"] == start and end["units"] == {k: trained.counts(k) for k in ("heads", "mlp")} != start
+    assert end["flops_per_img"] == trained.flops_per_image()
+    # same weights in another split (the trade keeps the weight budget), each against the same masked
+    assert end["density_measured"] == pytest.approx(begin["density_measured"])
+    assert end["speedup_vs_masked"] == pytest.approx(masked["step_ms"] / end["step_ms"])
+    assert all(r["peak_mem_mb"] > 0 for r in res["rows"])
+    u = end["units"]
+    assert f"| barter (end: {sum(u['heads'])} heads + {sum(u['mlp'])} channels) | 0.3 |" in bench.table(res)
+    import plot
+
+    shape, colours = decoded(plot.main(plot.Args(paths=(str(tmp_path / "bench.json"),), out=str(tmp_path / "b.png"))))
+    assert shape == (int(3.8 * 80), 11 * 80, 3) and colours > 20
+    for bad, says in ((masked_run, "is a masked run"), (str(tmp_path / "nowhere"), "no such file")):
+        with pytest.raises(SystemExit, match=says):
+            bench.main(bench.Args(runs=(bad,), steps=1, rounds=1, device="cpu", memory=False))
+
+
 def test_run_ends_with_a_summary(two_runs):
     _, outs = two_runs
     recs = read_log(outs[0])
