@@ -253,29 +253,35 @@ def select(counts, lo, hi, prune, grow, k, net=0):
         P = P[: len(G) + net]
 
 
-def exchange(head_scores, channel_scores, rate, margin=2.0):
+def exchange(head_scores, channel_scores, rate, margin=4.0):
     """Which kind gives weights to the other: +1 turns the `rate` weakest channels into one head,
     -1 a head into `rate` channels, 0 neither. The weakest head decides both ways, though the head
     `select` gives up is the weakest one above its block's floor (deciding -1 on that head instead
     changed no decision in the 3-epoch study and was level in 8 augmented epochs: README, Accuracy).
-    A head's qkv + proj weigh as much as `rate` channels' fc1 + fc2, and the gate-Taylor score
-    estimates the loss change of removing a unit, so the kind whose cheapest `rate`-channels' worth
-    costs less to remove gives it up. `margin` keeps the split from flapping by a head at every
-    update (a head swap is the costliest move there is). One per update: trading as many as the
-    scores asked for rushed from 11 to 24 heads at d = 0.3 within three updates, moved half the
-    channels, and learned less (README, Accuracy)."""
+    A head's qkv + proj weigh as much as `rate` channels' fc1 + fc2, so the kind whose cheapest
+    `rate`-channels' worth costs less to remove gives it up. The scores are squared gate-Taylor
+    (mean over steps of t^2: the second-order estimate of the loss change of removing a unit, as in
+    Molchanov et al. 2019), because a group's cost adds over its units in t^2 but not in |t|: the
+    per-step |t| of 32 weak channels are mostly noise, and their sum overstated the group's cost
+    against one head's (tiny-32 at d = 0.3 traded 0 to 3 heads by |t|, 8 or 9 by t^2; README, Accuracy).
+    `margin` keeps the split from flapping (a trade throws a trained head or `rate` trained channels
+    away): a factor 2 in the loss change, so 4 in its square. At 2 in the square the split flapped,
+    up to 15 heads in and 11 back over 8 augmented epochs (README, Accuracy). One per update: trading
+    as many as the scores asked for rushed from 11 to 24 heads at d = 0.3 within three updates, moved
+    half the channels, and learned less."""
     if not head_scores or len(channel_scores) < rate:
         return 0
     head, channels = min(head_scores), sum(sorted(channel_scores)[:rate])
     return 1 if margin * channels < head else -1 if margin * head < channels else 0
 
 
-def choose(counts, lo, hi, prune, grow, alpha, rate, trade=True):
-    """One update's choice for both kinds ({kind: ...} everywhere): the trade, then per kind the
-    alpha share of its units (the kind's budget: the sum of its counts) swapped plus the trade's net
-    change. Returns ({kind: (P, G)}, {kind: units given up}, trade); a trade that does not fit the
-    block bounds is dropped."""
-    t = exchange([c[0] for c in prune["heads"]], [c[0] for c in prune["mlp"]], rate) if trade else 0
+def choose(counts, lo, hi, prune, grow, alpha, rate, trade_scores=None):
+    """One update's choice for both kinds ({kind: ...} everywhere): the trade (decided by
+    `trade_scores`, {kind: [score of every unit that may be pruned]}; None: no trade), then per kind
+    the alpha share of its units (the kind's budget: the sum of its counts) swapped plus the trade's
+    net change. Returns ({kind: (P, G)}, {kind: units given up}, trade); a trade that does not fit
+    the block bounds is dropped."""
+    t = exchange(trade_scores["heads"], trade_scores["mlp"], rate) if trade_scores else 0
     while True:
         net = {"heads": -t, "mlp": t * rate}
         sel = {k: select(counts[k], lo[k], hi[k], prune[k], grow[k], round_half_up(alpha * sum(counts[k])), net[k])
@@ -370,7 +376,8 @@ class Barter:
         self.check(start=True)
 
     def reset_stats(self):
-        self.acc = {k: [None] * self.model.cfg.depth for k in KINDS}
+        self.acc = {k: [None] * self.model.cfg.depth for k in KINDS}  # sum of |t|: ranks units of a kind
+        self.acc2 = {k: [None] * self.model.cfg.depth for k in KINDS}  # sum of t^2: the trade (exchange)
         self.nacc = 0
 
     def before_forward(self, t):
@@ -378,11 +385,12 @@ class Barter:
 
     @torch.no_grad()
     def after_backward(self, optimizer, t):
-        """Accumulate |gate-Taylor| of the active units (one multiply-reduce per block)."""
+        """Accumulate |gate-Taylor| and its square for the active units (one multiply-reduce per block)."""
         for kind in KINDS:
             for i, s in enumerate(taylor_scores(self.model, kind)):
-                a = self.acc[kind][i]
+                a, a2 = self.acc[kind][i], self.acc2[kind][i]
                 self.acc[kind][i] = s.abs() if a is None else a + s.abs()
+                self.acc2[kind][i] = s * s if a2 is None else a2 + s * s
         self.nacc += 1
 
     def after_step(self, optimizer, t):
@@ -391,16 +399,18 @@ class Barter:
     @torch.no_grad()
     def update(self, optimizer, t):
         t0 = time.perf_counter()
-        alpha, grow, prune, plans, moved = self.schedule.alpha(t), {}, {}, {}, {}
+        alpha, grow, prune, squares, plans, moved = self.schedule.alpha(t), {}, {}, {}, {}, {}
         for kind in KINDS:
-            scores = [(all_mean(a) / max(self.nacc, 1)).cpu().tolist() if a is not None else [0.0] * n
-                      for a, n in zip(self.acc[kind], self.model.counts(kind))]
-            grow[kind] = [(s, b, u) for b, sb in enumerate(scores) for u, s in enumerate(sb)]
+            counts = self.model.counts(kind)
+            mean = lambda acc: [(all_mean(a) / max(self.nacc, 1)).cpu().tolist() if a is not None else [0.0] * n
+                                for a, n in zip(acc, counts)]
             exempt = {(b, u) for b, f in enumerate(self.fresh[kind]) for u in f.nonzero().flatten().tolist()}
+            grow[kind] = [(s, b, u) for b, sb in enumerate(mean(self.acc[kind])) for u, s in enumerate(sb)]
             prune[kind] = [c for c in grow[kind] if (c[1], c[2]) not in exempt]
+            squares[kind] = [s for b, sb in enumerate(mean(self.acc2[kind])) for u, s in enumerate(sb) if (b, u) not in exempt]
         # one head's worth of weights may change kind (heads <-> channels) on top of the swaps
         before = {k: self.model.counts(k) for k in KINDS}
-        sel, net, trade = choose(before, self.lo, self.hi, prune, grow, alpha, self.rate, self.trade)
+        sel, net, trade = choose(before, self.lo, self.hi, prune, grow, alpha, self.rate, squares if self.trade else None)
         for kind in KINDS:
             P, G = sel[kind]
             pruned = set(P)
@@ -433,11 +443,13 @@ class Barter:
         return weight_density(self.model.cfg, self.counts("heads"), self.counts("mlp"))
 
     def state_dict(self):
-        return {"acc": self.acc, "nacc": self.nacc, "fresh": self.fresh, "gen": self.gen.get_state()}
+        return {"acc": self.acc, "acc2": self.acc2, "nacc": self.nacc, "fresh": self.fresh, "gen": self.gen.get_state()}
 
     def load_state_dict(self, sd):
         dev = self.model.head.weight.device  # a checkpoint is loaded to the CPU
-        self.acc = {k: [None if a is None else a.to(dev) for a in v] for k, v in sd["acc"].items()}
+        none = {k: [None] * self.model.cfg.depth for k in KINDS}  # a checkpoint from before t^2 was kept
+        self.acc, self.acc2 = ({k: [None if a is None else a.to(dev) for a in v] for k, v in sd.get(key, none).items()}
+                               for key in ("acc", "acc2"))
         self.nacc, self.fresh = sd["nacc"], sd["fresh"]
         self.gen.set_state(sd["gen"])
         self.check()

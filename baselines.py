@@ -177,6 +177,7 @@ class Masked(MaskedMethod):
     def reset_stats(self):
         dev = self.model.head.weight.device  # accumulated on the device: no sync per step
         self.acc = {k: [torch.zeros(a.numel(), device=dev) for a in self.active[k]] for k in KINDS}
+        self.acc2 = {k: [torch.zeros(a.numel(), device=dev) for a in self.active[k]] for k in KINDS}
         self.nacc = 0
 
     def masks_of(self, i, kind, side):
@@ -207,31 +208,34 @@ class Masked(MaskedMethod):
         for kind in KINDS:
             for i, s in enumerate(taylor_scores(self.model, kind)):  # masked units score exactly 0
                 self.acc[kind][i] += s.abs()
+                self.acc2[kind][i] += s * s
         self.nacc += 1
 
     @torch.no_grad()
     def after_step(self, optimizer, t):
         if not self.schedule.is_update(t):
             return None
-        t0, alpha, moved, prune, grow = time.perf_counter(), self.schedule.alpha(t), {}, {}, {}
+        t0, alpha, moved, prune, grow, squares = time.perf_counter(), self.schedule.alpha(t), {}, {}, {}, {}
         for kind in KINDS:
-            prune[kind], grow[kind] = [], []
+            prune[kind], grow[kind], squares[kind] = [], [], []
             for i, blk in enumerate(self.model.blocks):
                 n, w, _ = blk.units(kind)
                 (mod, attr, dim, seg), = self.masks_of(i, kind, "out")
                 g = all_mean(mod.parametrizations[attr][0].grad)  # dense gradient of the output side
                 gs = g.abs().float().sum(1 - dim).view(n, w).sum(1).tolist()
                 acc = (all_mean(self.acc[kind][i]) / max(self.nacc, 1)).tolist()
+                acc2 = (all_mean(self.acc2[kind][i]) / max(self.nacc, 1)).tolist()
                 active, fresh = self.active[kind][i].tolist(), self.fresh[kind][i].tolist()
                 for u in range(n):
                     if active[u]:
                         if not fresh[u]:
                             prune[kind].append((acc[u], i, u))
+                            squares[kind].append(acc2[u])
                     else:
                         grow[kind].append((gs[u], i, u))
-        # BARTER's choice, trade included, by the same prune scores; growth by the dense gradient
+        # BARTER's choice, trade included, by the same scores; growth by the dense gradient
         before = {k: self.counts(k) for k in KINDS}
-        sel, net, trade = choose(before, self.lo, self.hi, prune, grow, alpha, self.rate, self.trade)
+        sel, net, trade = choose(before, self.lo, self.hi, prune, grow, alpha, self.rate, squares if self.trade else None)
         for kind in KINDS:
             P, G = sel[kind]
             self.fresh[kind] = [torch.zeros_like(a) for a in self.active[kind]]
@@ -258,13 +262,17 @@ class Masked(MaskedMethod):
                 "counts": {k: self.counts(k) for k in KINDS}, "seconds": time.perf_counter() - t0}
 
     def state_dict(self):
-        return {**self.base_state(), "active": self.active, "fresh": self.fresh, "acc": self.acc, "nacc": self.nacc}
+        return {**self.base_state(), "active": self.active, "fresh": self.fresh, "acc": self.acc, "acc2": self.acc2,
+                "nacc": self.nacc}
 
     def load_state_dict(self, sd):
         self.load_base_state(sd)
         self.active, self.fresh, self.nacc = sd["active"], sd["fresh"], sd["nacc"]
         dev = self.model.head.weight.device
         self.acc = {k: [a.to(dev) for a in v] for k, v in sd["acc"].items()}
+        # a checkpoint from before t^2 was kept: the trade's statistic starts over
+        self.acc2 = {k: [a.to(dev) for a in v] for k, v in sd["acc2"].items()} if "acc2" in sd else \
+            {k: [torch.zeros_like(a) for a in v] for k, v in self.acc.items()}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -458,6 +458,7 @@ def test_random_updates_keep_budgets_exact(frac, split):
         head_scale = 30.0 if t % 3 == 0 else 1.0  # so that heads also look worth their weight at times
         b.acc = {k: [torch.rand(n, generator=g) * (head_scale if k == "heads" else 1) for n in m.counts(k)]
                  for k in ("heads", "mlp")}
+        b.acc2 = {k: [a * a for a in v] for k, v in b.acc.items()}
         b.nacc = 1
         rec = b.update(opt, int(torch.randint(1, 10**6, (1,), generator=g)))
         moved += rec["moved"]["mlp"]
@@ -512,7 +513,9 @@ def test_check_units_catches_each_broken_invariant():
 
 def test_select_and_exchange():
     # the weakest head (0.1) costs more than two channels' worth of the weakest channels (0.03): trade
-    assert barter.exchange([0.5, 0.1], [0.01, 0.02, 1.0], rate=2) == 1
+    assert barter.exchange([0.5, 0.2], [0.01, 0.02, 1.0], rate=2) == 1
+    # the margin is a factor 2 in the loss change, 4 in the squared scores the trade weighs
+    assert barter.exchange([0.1], [0.02, 0.02], rate=2) == 0 and barter.exchange([0.1], [0.02, 0.02], rate=2, margin=2) == 1
     assert barter.exchange([0.01], [1.0, 1.0, 0.5], rate=2) == -1
     assert barter.exchange([0.1], [0.04, 0.05], rate=2) == 0  # within the margin
     assert barter.exchange([], [0.1, 0.1], rate=2) == 0 and barter.exchange([1.0], [0.1], rate=2) == 0
@@ -523,6 +526,29 @@ def test_select_and_exchange():
     assert P == [] and G == [(1, 1), (0, 0)]  # block 1 is full (4) after its first clone
     assert barter.select([2, 3], [1, 1], [2, 3], cand, cand, k=0, net=-1) is None  # every block full
     assert barter.select([1, 1], [1, 1], [4, 4], cand, cand, k=0, net=1) is None  # every block at its floor
+
+
+def test_trade_weighs_squared_scores():
+    """The trade compares a head with its weight in channels by mean t^2 (a group's removal cost adds
+    over its units in t^2, not in |t|). Here |t| would keep the split (head 1.0 against 16 channels'
+    1.6) and t^2 trades 16 channels for a head (1.0 against 0.16), and the budgets stay exact."""
+    m = micro(dtype=torch.float32)
+    b = Barter(m, Schedule(total_steps=100, update_every=10, alpha0=0.0), dense_frac=0.3, seed=0)
+    b.init_model()
+    opt = train.make_optimizer(m, 1e-3, 0.05)
+    rate = b.rate
+    assert rate == 16 and barter.exchange([1.0], [0.1] * rate, rate) == 0
+    b.acc = {"heads": [torch.ones(n) for n in m.counts("heads")], "mlp": [torch.full((n,), 0.1) for n in m.counts("mlp")]}
+    b.acc2 = {k: [a * a for a in v] for k, v in b.acc.items()}
+    b.nacc = 1
+    heads, mlp = sum(m.counts("heads")), sum(m.counts("mlp"))
+    rec = b.update(opt, 10)
+    assert rec["traded"] == 1
+    assert sum(m.counts("heads")) == heads + 1 and sum(m.counts("mlp")) == mlp - rate
+    # the same scores given to t^2 unsquared, as |t| would weigh them: no trade
+    b.acc = {"heads": [torch.ones(n) for n in m.counts("heads")], "mlp": [torch.full((n,), 0.1) for n in m.counts("mlp")]}
+    b.acc2, b.nacc = {k: [a.clone() for a in v] for k, v in b.acc.items()}, 1
+    assert b.update(opt, 20)["traded"] == 0
 
 
 # ---- issue 2, test 6: our ViT == torchvision's VisionTransformer ------------------------------
