@@ -83,11 +83,13 @@ def build(model_name, method, density, batch_size, device, seed=0, cfg=None, fra
 class Config:
     def __init__(self, model_name, method, density, batch_size, device, bf16, compile, cfg=None, fracs=(None, None),
                  split=None, group=None):
+        """split: None, "start" (BARTER's start, beside a run's end) or a run's {kind: units per block}."""
         self.key = dict(model=group or model_name, method=method, density=density if method != "dense" else 1.0)
-        if split:
-            self.key["split"] = "end"  # a trained run's units, not the start's
+        if split is not None:
+            self.key["split"] = "start" if split == "start" else "end"
+        units = split if isinstance(split, dict) else None
         self.model, self.meth, self.opt, self.x, self.y = build(model_name, method, density, batch_size, device, 0,
-                                                                cfg, fracs, split)
+                                                                cfg, fracs, units)
         self.fwd = torch.compile(self.model) if compile else self.model
         self.amp = train.autocast(device, bf16)
         self.device, self.t, self.times = device, 0, []
@@ -227,8 +229,7 @@ def main(a: Args):
     machine = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
                "cpu_threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
                "bf16": bf16, "compile": a.compile}
-    # (group, model, spec, [(method, density, split)]): split None, "start" (BARTER's start beside a run's
-    # end) or a run's {kind: units per block}; dense once per model: it has no density
+    # (group, model, spec, [(method, density, split)]), split as Config takes it; dense once per model: it has no density
     groups = [(m, m, {}, [(meth, d, None) for d in a.densities for meth in a.methods if not (meth == "dense" and d != a.densities[0])])
               for m in models] + [run_group(p) for p in a.runs]
     rows, profiles = [], []
@@ -236,12 +237,8 @@ def main(a: Args):
         bs = a.batch_size or (128 if (spec.get("cfg") or preset(model_name)).img_size <= 64 else 256)
         configs = []
         for m, d, split in todo:
-            c = Config(model_name, m, d, bs, device, bf16, a.compile, split=split if isinstance(split, dict) else None,
-                       group=group, **spec)
-            if split == "start":
-                c.key["split"] = "start"
-            c.mem_spec = (model_name, m, d, bs, str(device), bf16, spec.get("cfg"), spec.get("fracs", (None, None)),
-                          split if isinstance(split, dict) else None)
+            c = Config(model_name, m, d, bs, device, bf16, a.compile, split=split, group=group, **spec)
+            c.mem_spec = (model_name, m, d, bs, str(device), bf16, spec.get("cfg"), spec.get("fracs", (None, None)), split)
             configs.append(c)
         for c in tqdm(configs, desc=f"{group} warm-up", leave=False, disable=None):
             c.run(a.warmup)
