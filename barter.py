@@ -407,7 +407,8 @@ class Barter:
             exempt = {(b, u) for b, f in enumerate(self.fresh[kind]) for u in f.nonzero().flatten().tolist()}
             grow[kind] = [(s, b, u) for b, sb in enumerate(mean(self.acc[kind])) for u, s in enumerate(sb)]
             prune[kind] = [c for c in grow[kind] if (c[1], c[2]) not in exempt]
-            squares[kind] = [s for b, sb in enumerate(mean(self.acc2[kind])) for u, s in enumerate(sb) if (b, u) not in exempt]
+            sq = mean(self.acc2[kind])
+            squares[kind] = [sq[b][u] for _, b, u in prune[kind]]  # the trade weighs the same candidates
         # one head's worth of weights may change kind (heads <-> channels) on top of the swaps
         before = {k: self.model.counts(k) for k in KINDS}
         sel, net, trade = choose(before, self.lo, self.hi, prune, grow, alpha, self.rate, squares if self.trade else None)
