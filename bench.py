@@ -90,6 +90,7 @@ class Config:
         units = split if isinstance(split, dict) else None
         self.model, self.meth, self.opt, self.x, self.y = build(model_name, method, density, batch_size, device, 0,
                                                                 cfg, fracs, units)
+        self.mem_spec = (model_name, method, density, batch_size, str(device), bf16, cfg, fracs, split)  # for peak_memory
         self.fwd = torch.compile(self.model) if compile else self.model
         self.amp = train.autocast(device, bf16)
         self.device, self.t, self.times = device, 0, []
@@ -235,11 +236,8 @@ def main(a: Args):
     rows, profiles = [], []
     for group, model_name, spec, todo in groups:
         bs = a.batch_size or (128 if (spec.get("cfg") or preset(model_name)).img_size <= 64 else 256)
-        configs = []
-        for m, d, split in todo:
-            c = Config(model_name, m, d, bs, device, bf16, a.compile, split=split, group=group, **spec)
-            c.mem_spec = (model_name, m, d, bs, str(device), bf16, spec.get("cfg"), spec.get("fracs", (None, None)), split)
-            configs.append(c)
+        configs = [Config(model_name, m, d, bs, device, bf16, a.compile, split=split, group=group, **spec)
+                   for m, d, split in todo]
         for c in tqdm(configs, desc=f"{group} warm-up", leave=False, disable=None):
             c.run(a.warmup)
         for _ in tqdm(range(a.rounds), desc=f"{group} rounds", leave=False, disable=None):

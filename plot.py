@@ -19,6 +19,7 @@ import tyro
 matplotlib.use("Agg")  # files only: works on a server with no display
 import matplotlib.pyplot as plt  # noqa: E402
 
+import bench  # noqa: E402
 import train  # noqa: E402
 
 KINDS = ("heads", "mlp")
@@ -137,12 +138,10 @@ def draw_bench(res, out):
     device = res["machine"].get("device", "?")
     for (sp, mem), model in zip(ax, models):
         rows = [r for r in res["rows"] if r["model"] == model]
-        def series(r):  # a barter run's start and end splits (bench.py --runs) are two series
-            return r["method"] + (f" ({r['split']})" if "split" in r else "")
-
-        methods = [m for m in dict.fromkeys(series(r) for r in rows)]
+        # bench.label: a barter run's start and end splits (bench.py --runs) are two series
+        methods = [m for m in dict.fromkeys(bench.label(r) for r in rows)]
         for i, m in enumerate(methods):
-            mine = sorted((r for r in rows if series(r) == m), key=lambda r: r["density"])
+            mine = sorted((r for r in rows if bench.label(r) == m), key=lambda r: r["density"])
             d = [r["density"] for r in mine]
             if all("peak_mem_mb" in r for r in mine):  # absent after bench.py --no-memory
                 mem.plot(d, [r["peak_mem_mb"] for r in mine], marker="o", color=f"C{i}", label=m)
