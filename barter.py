@@ -257,16 +257,16 @@ def exchange(head_scores, channel_scores, rate, margin=4.0):
     """Which kind gives weights to the other: +1 turns the `rate` weakest channels into one head,
     -1 a head into `rate` channels, 0 neither. The weakest head decides both ways, though the head
     `select` gives up is the weakest one above its block's floor (deciding -1 on that head instead
-    changed no decision in the 3-epoch study and was level in 8 augmented epochs: README, Accuracy).
+    changed no decision in the 3-epoch study and was level in 8 augmented epochs: EXPERIMENTS.md).
     A head's qkv + proj weigh as much as `rate` channels' fc1 + fc2, so the kind whose cheapest
     `rate`-channels' worth costs less to remove gives it up. The scores are squared gate-Taylor
     (mean over steps of t^2: the second-order estimate of the loss change of removing a unit, as in
     Molchanov et al. 2019), because a group's cost adds over its units in t^2 but not in |t|: the
     per-step |t| of 32 weak channels are mostly noise, and their sum overstated the group's cost
-    against one head's (tiny-32 at d = 0.3 traded 0 to 3 heads by |t|, 8 or 9 by t^2; README, Accuracy).
+    against one head's (tiny-32 at d = 0.3 traded 0 to 3 heads by |t|, 8 or 9 by t^2; EXPERIMENTS.md).
     `margin` keeps the split from flapping (a trade throws a trained head or `rate` trained channels
     away): a factor 2 in the loss change, so 4 in its square. At 2 in the square the split flapped,
-    up to 15 heads in and 11 back over 8 augmented epochs (README, Accuracy). One per update: trading
+    up to 15 heads in and 11 back over 8 augmented epochs (EXPERIMENTS.md). One per update: trading
     as many as the scores asked for rushed from 11 to 24 heads at d = 0.3 within three updates, moved
     half the channels, and learned less."""
     if not head_scores or len(channel_scores) < rate:
@@ -331,7 +331,7 @@ def unit_budgets(cfg, dense_frac, head_frac=None, mlp_frac=None):
     # for the whole run. When d leaves fewer heads than blocks, give every block one head and pay
     # for the extra heads with MLP channels at equal weight count (a head's qkv + proj weigh as much
     # as 2 * head_dim channels' fc1 + fc2), so the weight density stays d; if that leaves a channel
-    # per block, and only when one density sets both budgets. Fashion-MNIST, d = 0.1 (README): tiny-28
+    # per block, and only when one density sets both budgets. Fashion-MNIST, d = 0.1 (EXPERIMENTS.md): tiny-28
     # 4 heads + 173 channels 0.8502, 6 + 125 0.8606 (3 seeds); tiny-32 2 + 154 0.7314, 6 + 26 0.7640
     # (5 seeds; half the channels was the limit before, which kept tiny-32 at 2 heads).
     extra, per_head = L - budget["heads"], channels_per_head(cfg)
