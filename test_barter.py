@@ -255,13 +255,13 @@ def test_a_lineage_split_again_and_again_does_not_grow_geometrically():
 
 
 def test_churn_sets_what_moves_over_the_whole_run():
-    s = Schedule(1404, 50, end_frac=0.75, start=468, churn=0.5)
+    s = Schedule(1404, 50, end_frac=0.75, churn=0.5)
     steps = [t for t in range(1, 1405) if s.is_update(t)]
-    assert steps[0] == 500 and steps[-1] == 1050 and sum(s.alpha(t) for t in steps) == pytest.approx(0.5)
+    assert steps[0] == 50 and steps[-1] == 1050 and sum(s.alpha(t) for t in steps) == pytest.approx(0.5)
     assert s.updates() == steps
-    assert Schedule(1404, 100, alpha0=0.3, start=468).alpha0 == 0.3  # without churn: RigL's alpha0 as given
+    assert Schedule(1404, 100, alpha0=0.3).alpha0 == 0.3  # without churn: RigL's alpha0 as given
     for a0 in (0.0, 0.05, 1.0):  # with churn, alpha0 given does not matter
-        assert Schedule(1404, 50, alpha0=a0, end_frac=0.75, start=468, churn=0.5).alpha0 == s.alpha0
+        assert Schedule(1404, 50, alpha0=a0, end_frac=0.75, churn=0.5).alpha0 == s.alpha0
 
 
 # ---- issue 2, test 3: optimizer state is remapped with the same indices ------------------------
@@ -803,7 +803,7 @@ def test_resume_is_exact(tmp_path, method):
     (dict(data="cifar10", data_dir="/nonexistent/deep/data"), "not there"),
     (dict(lr=0.0), "--lr"), (dict(device="cuda:7"), "not available"), (dict(end_frac=0.0), "end-frac"),
     # a DST run whose schedule holds no update would silently be the static control
-    (dict(warmup_epochs=2), "never update"), (dict(method="rigl", update_every=10_000), "never update"),
+    (dict(end_frac=0.05), "never update"), (dict(method="rigl", update_every=10_000), "never update"),
     (dict(ema_decay=1.0), "ema-decay"),
 ])
 def test_bad_arguments_fail_before_any_work(tmp_path, change, message):
@@ -1105,7 +1105,7 @@ def test_static_trains_with_no_topology_update(tmp_path):
         out = tmp_path / method
         r = subprocess.run([sys.executable, "train.py", "--method", method.replace("no-trade", "barter"), *extra,
                             "--model", "micro", "--data", "synthetic",
-                            "--epochs", "1", "--max-steps", "30", "--update-every", "10", "--warmup-epochs", "0",
+                            "--epochs", "1", "--max-steps", "30", "--update-every", "10", "--warmup-epochs", "1",
                             "--batch-size", "64", "--dense-frac", "0.3", "--device", "cpu", "--out-dir", str(out)],
                            capture_output=True, text=True, cwd=REPO)
         assert r.returncode == 0, r.stderr
@@ -1117,7 +1117,7 @@ def test_static_trains_with_no_topology_update(tmp_path):
     line = train.show_counts({"step": 5, "moved": {"heads": 0, "mlp": 16}, "traded": 1,
                               "counts": {"heads": [2, 2], "mlp": [9, 9]}}, {"heads": [2, 1], "mlp": [17, 17]})
     assert line == "step 5: moved 0 heads, 16 mlp, channels traded for a head | heads 2 2(+1) | mlp 9(-8) 9(-8)"
-    assert [r["step"] for r in logs["barter"] if r["type"] == "update"] == [10, 20, 30]
+    assert [r["step"] for r in logs["barter"] if r["type"] == "update"] == [10, 20, 30]  # inside the lr warmup (78 steps)
     start, summary = logs["static"][0], logs["static"][-1]
     assert start["type"] == "start" and summary["type"] == "summary"
     assert summary["counts"] == start["counts"] == {"heads": [2, 1, 1], "mlp": [20, 19, 19]}
@@ -1208,12 +1208,11 @@ def test_study_bad_arguments(tmp_path):
         study.main(study_args(tmp_path, methods=("static", "magic")))
     with pytest.raises(train.ArgError, match="add masked"):
         study.main(study_args(tmp_path, methods=("static",)))
-    # each method is checked as itself: a warmup past the update window stops masked, not static
-    short = targs(tmp_path, epochs=1, warmup_epochs=1)
-    with pytest.raises(train.ArgError, match="masked would never update"):
-        study.main(study_args(tmp_path, equal_time=(), train=short))
+    # each method is checked as itself: a density that leaves no head stops the unit methods, not rigl or dense
+    with pytest.raises(train.ArgError, match="no heads"):
+        study.main(study_args(tmp_path, densities=(0.01,), equal_time=()))
     assert not os.path.exists(tmp_path / "study")
-    study.validate(study_args(tmp_path, methods=("static", "dense"), equal_time=(), train=short))  # no error
+    study.validate(study_args(tmp_path, methods=("rigl", "dense"), densities=(0.01,), equal_time=()))  # no error
 
 
 # ---- issue 12: plot.py and the end-of-run summary ---------------------------------------------------

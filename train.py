@@ -63,7 +63,7 @@ class Args:
     weight_decay: float = 0.05
     """AdamW weight decay on matrices (not on biases, norms, position embedding, class token)"""
     warmup_epochs: int = 5
-    """linear lr warmup; no topology update happens before it ends"""
+    """linear lr warmup; topology updates do not wait for it (the first is at step --update-every)"""
     label_smoothing: float = 0.1
     """cross-entropy label smoothing"""
     clip_grad: float = 1.0
@@ -169,11 +169,6 @@ def validate(args):
     existing = os.path.join(run_dir(args), "checkpoint.pt")
     need(args.resume or not os.path.exists(existing), f"{run_dir(args)} holds a checkpoint already: "
          f"continue it with --resume {existing}, or pick another --out-dir")
-    # a DST run with no update in its schedule is the static control under another name: say so
-    need(args.method not in MOVING or args.warmup_epochs < args.end_frac * args.epochs,
-         f"--method {args.method} would never update its topology: updates run from the end of the warmup "
-         f"(--warmup-epochs {args.warmup_epochs}) to --end-frac x --epochs = {args.end_frac * args.epochs:g} epochs; "
-         f"lower --warmup-epochs or raise --epochs (--method static is the run without updates)")
     if args.method in UNIT_METHODS and not args.pretrained:
         check_budgets(args, PRESETS[args.model])
     if args.device != "auto":
@@ -516,13 +511,13 @@ def build(args, ckpt, device, amp, ranks=None):
         shapes = {"heads": ckpt["heads"], "mlp": ckpt["mlp"]} if ckpt else {}
         model = ViT(cfg, **shapes).to(device)
     spe = len(train_dl)
-    schedule = Schedule(args.epochs * spe, args.update_every, args.alpha0, args.end_frac, start=args.warmup_epochs * spe,
+    schedule = Schedule(args.epochs * spe, args.update_every, args.alpha0, args.end_frac,
                         churn=args.churn if args.method in ("barter", "masked") else None)
-    if args.method in MOVING and not schedule.updates():
-        raise ArgError(f"--method {args.method} would never update its topology: no multiple of --update-every "
-                       f"{args.update_every} lies between the end of the warmup (step {schedule.start}) and step "
-                       f"{int(schedule.end_frac * schedule.total_steps)} (--end-frac x {schedule.total_steps} steps); lower "
-                       f"--update-every or --warmup-epochs, or raise --epochs")
+    if args.method in MOVING and not schedule.updates():  # it would be the static control under another name
+        raise ArgError(f"--method {args.method} would never update its topology: --update-every {args.update_every} "
+                       f"is not below step {int(schedule.end_frac * schedule.total_steps)} (--end-frac x "
+                       f"{schedule.total_steps} steps), where updates stop; lower --update-every or raise --epochs "
+                       f"(--method static is the run without updates)")
     method = make_method(args.method, model, schedule, args.dense_frac, args.head_frac, args.mlp_frac,
                          args.distribution, args.seed, args.grow, args.trade)
     if ckpt is None:
