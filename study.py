@@ -254,8 +254,9 @@ def tables(a, res, eq=None, chosen=None):
                          f"{paired_cell([r['final_top1_ema'] - r['final_top1'] for r in runs])} | "
                          f"{paired_cell(paired(runs, ref, 'final_top1_ema')) if ref else '-'} |")
     if eq:
-        lines += ["", "Equal wall-clock time: each method trained for as many epochs as fit in the time `masked` took "
-                  "at the same density (same recipe otherwise).", "",
+        lines += ["", "Equal wall-clock time: each method trained for the whole number of epochs nearest to the time "
+                  "`masked` took at the same density, by the first table's times (same recipe otherwise); "
+                  "compare the train s columns.", "",
                   "| density | masked top-1 | masked train s | method | epochs | top-1 at equal time | train s | vs masked, same seed |",
                   "|---|---|---|---|---|---|---|---|"]
         for m in a.equal_time:
