@@ -194,15 +194,16 @@ class Schedule:
     alpha_t = alpha0 * (1 + cos(pi t / T_end)) / 2. With `churn`, alpha0 is derived so that the
     fractions of all the run's updates add up to `churn`. Units are not weights: every swap discards
     a learned unit, and in our study top-1 followed how much moved in all, not per update.
-    Updates run from the first interval, the lr warmup included: the split of heads and channels
-    is found by training, and the time spent in it is what pays (issue 9's model, tiny-32 at d = 0.3:
-    +1.52 points over updates from the end of the warmup; EXPERIMENTS.md, "Updates from the first
-    interval")."""
+    BARTER's updates run from the first interval, the lr warmup included: the split of heads and
+    channels is found by training, and the time spent in it is what pays (issue 9's model, tiny-32 at
+    d = 0.3: +1.52 points over updates from the end of the warmup; EXPERIMENTS.md, "Updates from the
+    first interval"). RigL's weight swaps are better after it (`start`): see train.py."""
     total_steps: int
     update_every: int = 500
     alpha0: float = 0.25
     end_frac: float = 0.75
     churn: Optional[float] = None
+    start: int = 0  # no update before this step
 
     def __post_init__(self):
         if self.churn is not None:
@@ -214,7 +215,7 @@ class Schedule:
         return [t for t in range(self.update_every, self.total_steps + 1, self.update_every) if self.is_update(t)]
 
     def is_update(self, t):
-        return t > 0 and t % self.update_every == 0 and t < self.end_frac * self.total_steps
+        return t > 0 and t % self.update_every == 0 and self.start <= t < self.end_frac * self.total_steps
 
     def cosine(self, t):  # RigL's decay shape, 1 at step 0 and 0 at T_end
         return (1 + math.cos(math.pi * t / (self.end_frac * self.total_steps))) / 2

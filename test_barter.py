@@ -794,6 +794,15 @@ def test_resume_is_exact(tmp_path, method):
     assert ups == [10, 20, 30, 40, 50, 60, 70, 80, 90, 100]
 
 
+def test_weight_baselines_update_after_the_warmup(tmp_path):
+    # barter and masked update from the first interval; rigl's swaps wait for the end of the lr warmup
+    # (78 steps an epoch here), then follow --update-every until --end-frac
+    for method, first in (("rigl", [80, 90]), ("masked", [10, 20, 30, 40, 50, 60, 70, 80, 90])):
+        a = targs(tmp_path, method=method, warmup_epochs=1, max_steps=90, out_dir=str(tmp_path / method))
+        train.main(a)
+        assert [r["step"] for r in read_log(a.out_dir) if r["type"] == "update"] == first
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(dense_frac=0.0), "dense-frac"), (dict(dense_frac=1.5), "dense-frac"), (dict(head_frac=-1.0), "head-frac"),
     (dict(epochs=0), "epochs"), (dict(batch_size=-4), "batch-size"), (dict(update_every=0), "update-every"),
@@ -804,6 +813,7 @@ def test_resume_is_exact(tmp_path, method):
     (dict(lr=0.0), "--lr"), (dict(device="cuda:7"), "not available"), (dict(end_frac=0.0), "end-frac"),
     # a DST run whose schedule holds no update would silently be the static control
     (dict(end_frac=0.05), "never update"), (dict(method="rigl", update_every=10_000), "never update"),
+    (dict(method="rigl", warmup_epochs=2), "never update.*lr warmup"),
     (dict(ema_decay=1.0), "ema-decay"),
 ])
 def test_bad_arguments_fail_before_any_work(tmp_path, change, message):
