@@ -232,6 +232,12 @@ def rows(a, res):
                 yield m, d, runs, res.get(("static", d)) if m != "static" and d != 1.0 else None
 
 
+def heads(runs):
+    """Heads at the end of the runs, 'min-max' of their totals over all blocks (structured methods)."""
+    n = [sum(r["counts"]["heads"]) for r in runs if r.get("counts")]
+    return "-" if not n else f"{min(n)}" if min(n) == max(n) else f"{min(n)}-{max(n)}"
+
+
 def tables(a, res, eq=None, chosen=None):
     t = a.train
     lines = [f"Study: `{t.model}` on `{t.data}`, {t.epochs} epochs ({t.warmup_epochs} warmup), "
@@ -239,11 +245,16 @@ def tables(a, res, eq=None, chosen=None):
              f"seeds {', '.join(map(str, a.seeds))}; mean (min-max) over seeds; \"vs\": paired by seed, mean +- standard "
              f"error (min-max); train s = training time without evaluation"
              + (f"; {a.jobs} runs at a time (times contended)" if a.jobs > 1 else ""), "",
-             "| method | density | final top-1 | best top-1 | vs static, same seed | img/s | train s | seeds |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| method | density | final top-1 | best top-1 | vs static, same seed | vs masked, same seed | heads at the end "
+             "| img/s | train s | seeds |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for m, d, runs, ref in rows(a, res):
+        # the issue's targets side by side: a DST method against its own start that never moves, and
+        # against the mask-based DST on the same units (rigl: unstructured, not the same units)
+        masked = res.get(("masked", d)) if m not in ("dense", "static", "masked") else None
         lines.append(f"| {m} | {d} | {spread([r['final_top1'] for r in runs])} | {spread([r['best_top1'] for r in runs])} | "
-                     f"{paired_cell(paired(runs, ref))} | {spread([r['img_per_s'] for r in runs], '{:.0f}')} | "
+                     f"{paired_cell(paired(runs, ref))} | {paired_cell(paired(runs, masked))} | {heads(runs)} | "
+                     f"{spread([r['img_per_s'] for r in runs], '{:.0f}')} | "
                      f"{spread([r['train_seconds'] for r in runs], '{:.0f}')} | {len(runs)} |")
     if any("final_top1_ema" in r for runs in res.values() for r in runs):
         lines += ["", f"The average of the weights (--train.ema-decay {t.ema_decay}), the same runs:", "",

@@ -1164,6 +1164,15 @@ def test_study_table_resume_and_equal_time(tmp_path, monkeypatch):
     below = study.tables(a, ema).split("The average of the weights")[1]
     row = next(line for line in below.splitlines() if line.startswith("| masked | 0.3 |")).split(" | ")
     assert row[3:5] == ["+0.0150 +- 0.0050 (+0.0100-+0.0200)", cell + " |"]
+    # a DST method's row is also paired with masked's, and says how many heads its runs ended with
+    moved = {**res, ("barter", 0.3): [{**r, "final_top1": top[("masked", r["seed"])] + 0.01 * (r["seed"] + 1),
+                                       "counts": {"heads": [2, r["seed"] + 1, 1], "mlp": [1, 1, 1]}}
+                                      for r in res[("static", 0.3)]]}
+    grid = study.tables(replace(a, methods=("static", "masked", "barter")), moved).split("\n\n")[1]
+    row = next(line for line in grid.splitlines() if line.startswith("| barter | 0.3 |")).split(" | ")
+    assert row[5:7] == ["+0.0150 +- 0.0050 (+0.0100-+0.0200)", "4-5"]
+    row = next(line for line in grid.splitlines() if line.startswith("| masked | 0.3 |")).split(" | ")
+    assert row[4] == cell and row[5] == "-"  # masked is not paired with itself
     log = read_log(part)
     assert [r["type"] for r in log].count("start") == 1 and log[-1]["step"] == 20  # resumed, not restarted
     epochs = json.load(open(os.path.join(a.out, "equal_time.json")))["static-d0.3"]
