@@ -515,7 +515,7 @@ def build(args, ckpt, device, amp, ranks=None):
     spe = len(train_dl)
     # BARTER and masked update from the first interval (barter.Schedule says why). The weight-level
     # baselines wait for the end of the lr warmup: regrowing a quarter of every layer by the gradients
-    # of a model that has barely trained cost rigl 0.4-0.5 points on the protocol (EXPERIMENTS.md,
+    # of a model that has barely trained cost rigl 0.54-0.56 points on the protocol (EXPERIMENTS.md,
     # "RigL's updates wait for the warmup"). set and bidst swap weights the same way and follow rigl
     # (not measured on their own).
     start = args.warmup_epochs * spe if args.method in WEIGHT_METHODS else 0
