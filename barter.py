@@ -202,8 +202,8 @@ class Schedule:
     update_every: int = 500
     alpha0: float = 0.25
     end_frac: float = 0.75
+    start: int = 0  # no update before this step (the lr warmup, for the weight-level baselines)
     churn: Optional[float] = None
-    start: int = 0  # no update before this step
 
     def __post_init__(self):
         if self.churn is not None:
