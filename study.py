@@ -251,7 +251,7 @@ def tables(a, res, eq=None, chosen=None):
     for m, d, runs, ref in rows(a, res):
         # the targets side by side: a DST method against its own start that never moves, and
         # against the mask-based DST on the same units (rigl: unstructured, not the same units)
-        masked = res.get(("masked", d)) if m not in ("dense", "static", "masked") else None
+        masked = res.get(("masked", d)) if m in train.MOVING and m != "masked" else None
         lines.append(f"| {m} | {d} | {spread([r['final_top1'] for r in runs])} | {spread([r['best_top1'] for r in runs])} | "
                      f"{paired_cell(paired(runs, ref))} | {paired_cell(paired(runs, masked))} | {heads(runs)} | "
                      f"{spread([r['img_per_s'] for r in runs], '{:.0f}')} | "
