@@ -467,7 +467,7 @@ def choose_start(model, args, cfg, batches, amp, new_head):
     if args.method in UNIT_METHODS:
         budget, lo, hi = unit_budgets(cfg, args.dense_frac, args.head_frac, args.mlp_frac)
         kw["keep"] = initial_units(model, args.select, budget, lo, hi, batches, loss_of)
-    elif args.method in ("rigl", "set", "bidst"):
+    elif args.method in WEIGHT_METHODS:
         kw["magnitude"] = True  # random masks would throw most of the pretrained function away
     rec["seconds"] = time.perf_counter() - t0
     return kw, rec, mean_loss
