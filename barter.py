@@ -347,7 +347,8 @@ def unit_budgets(cfg, dense_frac, head_frac=None, mlp_frac=None):
     # keep one head per block when the budget allows it, and a floor of a fifth of the mean channels per
     # block, so no MLP is drained while the budget can spare channels. Under 5 channels per block that
     # floor is 0 and a block's MLP may empty for good (tiny-32 at d = 0.1); a floor of 1 there was level
-    # (+0.02 +- 0.05, EXPERIMENTS.md).
+    # (+0.02 +- 0.05, EXPERIMENTS.md). A floor of 1 instead of the fifth, where the trade ends at the
+    # floor (cifar-tiny, d = 0.1), traded one head further and lost 0.20 (2 seeds).
     lo = {"heads": [1 if budget["heads"] >= L else 0] * L, "mlp": [int(0.2 * budget["mlp"] / L)] * L}
     hi = {k: [dense[k]] * L for k in KINDS}
     return budget, lo, hi
