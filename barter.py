@@ -264,7 +264,7 @@ def exchange(head_scores, channel_scores, rate, margin=4.0):
     changed no decision in the 3-epoch study and was level in 8 augmented epochs: EXPERIMENTS.md).
     Likewise the channels that price it are the weakest of the model, though blocks at their MLP floor
     give none (pricing only those the trade can take stopped it 3-4 heads earlier on cifar-tiny at
-    d = 0.3 and was level: +0.00 +- 0.09, EXPERIMENTS.md).
+    d = 0.3 and was level: +0.10 +- 0.12, EXPERIMENTS.md).
     A head's qkv + proj weigh as much as `rate` channels' fc1 + fc2, so the kind whose cheapest
     `rate`-channels' worth costs less to remove gives it up. The scores are squared gate-Taylor
     (mean over steps of t^2: the second-order estimate of the loss change of removing a unit, as in
