@@ -17,6 +17,7 @@ import statistics
 import sys
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass, field, replace
+from typing import Optional
 
 import torch
 from tqdm import tqdm
@@ -41,8 +42,8 @@ class Args:
     """densities for every method but dense"""
     seeds: tuple[int, ...] = (0, 1, 2)
     """seeds; every number in the tables is a mean over them with the min-max beside it"""
-    equal_time: tuple[str, ...] = ("barter",)
-    """methods also run for as long as `masked` trained at the same density (more epochs, same recipe)"""
+    equal_time: Optional[tuple[str, ...]] = None
+    """methods also run for as long as `masked` trained at the same density (more epochs, same recipe); by default barter if masked runs, else none"""
     out: str = "runs/study"
     """folder for the runs and the tables"""
     jobs: int = 1
@@ -291,7 +292,15 @@ def curves(a, names):
     return out
 
 
+def resolve(a):
+    """--equal-time's default, which depends on --methods: masked's time is what the runs are given."""
+    if a.equal_time is None:
+        return replace(a, equal_time=("barter",) if "masked" in a.methods else ())
+    return a
+
+
 def validate(a):
+    a = resolve(a)
     bad = [m for m in a.methods + a.equal_time if m not in train.METHODS]
     if bad:
         raise train.ArgError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(train.METHODS)}")
@@ -304,6 +313,7 @@ def validate(a):
 
 
 def main(a: Args):
+    a = resolve(a)
     validate(a)
     runs = list(grid(a))
     errors = run_all(a, runs, "study")

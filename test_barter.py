@@ -1227,6 +1227,10 @@ def test_study_bad_arguments(tmp_path):
         study.main(study_args(tmp_path, methods=("static", "magic")))
     with pytest.raises(train.ArgError, match="add masked"):
         study.main(study_args(tmp_path, methods=("static",)))
+    # by default the equal-time runs follow --methods: barter's when masked runs, none without it
+    assert study.resolve(study_args(tmp_path, methods=("static", "barter"), equal_time=None)).equal_time == ()
+    assert study.resolve(study_args(tmp_path, equal_time=None)).equal_time == ("barter",)
+    study.validate(study_args(tmp_path, methods=("static", "barter"), equal_time=None))  # no error
     # each method is checked as itself: a density that leaves no head stops the unit methods, not rigl or dense
     with pytest.raises(train.ArgError, match="no heads"):
         study.main(study_args(tmp_path, densities=(0.01,), equal_time=()))
