@@ -305,7 +305,7 @@ def validate(a):
     if bad:
         raise train.ArgError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(train.METHODS)}")
     if a.equal_time and "masked" not in a.methods:
-        raise train.ArgError("--equal-time measures against masked: add masked to --methods, or pass --equal-time with no value")
+        raise train.ArgError("--equal-time measures against masked: add masked to --methods, or leave --equal-time out")
     if not a.seeds or not a.densities or not a.methods or a.jobs < 1:
         raise train.ArgError("--methods, --densities and --seeds must not be empty; --jobs must be positive")
     for _, r in grid(replace(a, seeds=a.seeds[:1])):  # every method and density, before any run starts
