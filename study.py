@@ -51,6 +51,10 @@ class Args:
     train: TrainArgs = field(default_factory=protocol)
     """arguments shared by every run (--train.epochs 5 ...); method, density, seed and out-dir are set per run"""
 
+    def __post_init__(self):
+        if self.equal_time is None:  # derived from --methods: masked's time is what the equal-time runs get
+            self.equal_time = ("barter",) if "masked" in self.methods else ()
+
 
 def run_name(method, density, seed, suffix=""):
     return (f"dense-s{seed}" if method == "dense" else f"{method}-d{density}-s{seed}") + suffix
@@ -292,15 +296,7 @@ def curves(a, names):
     return out
 
 
-def resolve(a):
-    """--equal-time's default, which depends on --methods: masked's time is what the runs are given."""
-    if a.equal_time is None:
-        return replace(a, equal_time=("barter",) if "masked" in a.methods else ())
-    return a
-
-
 def validate(a):
-    a = resolve(a)
     bad = [m for m in a.methods + a.equal_time if m not in train.METHODS]
     if bad:
         raise train.ArgError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(train.METHODS)}")
@@ -313,7 +309,6 @@ def validate(a):
 
 
 def main(a: Args):
-    a = resolve(a)
     validate(a)
     runs = list(grid(a))
     errors = run_all(a, runs, "study")

@@ -1228,8 +1228,8 @@ def test_study_bad_arguments(tmp_path):
     with pytest.raises(train.ArgError, match="add masked"):
         study.main(study_args(tmp_path, methods=("static",)))
     # by default the equal-time runs follow --methods: barter's when masked runs, none without it
-    assert study.resolve(study_args(tmp_path, methods=("static", "barter"), equal_time=None)).equal_time == ()
-    assert study.resolve(study_args(tmp_path, equal_time=None)).equal_time == ("barter",)
+    assert study_args(tmp_path, methods=("static", "barter"), equal_time=None).equal_time == ()
+    assert study_args(tmp_path, equal_time=None).equal_time == ("barter",)
     study.validate(study_args(tmp_path, methods=("static", "barter"), equal_time=None))  # no error
     # each method is checked as itself: a density that leaves no head stops the unit methods, not rigl or dense
     with pytest.raises(train.ArgError, match="no heads"):
