@@ -152,15 +152,16 @@ def run_parallel(a, todo, bar):
                     errors[name] = result
                 bar.update(1)
     finally:  # on an interruption (or any error) the runs still going save a checkpoint and stop
-        # a second Ctrl-C / SIGTERM while they save must not end this process first: its pipes
-        # would close under the runs (BrokenPipeError) and "saved a checkpoint" be printed too early
-        ignored = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
-        for _, p, _ in running.values():
-            p.terminate()  # SIGTERM: train.py finishes the step, saves and returns
-        for _, p, _ in running.values():
-            p.join()
-        for s, h in ignored.items():
-            signal.signal(s, h)
+        if running:  # (after a normal end there are none, and the process's signal handlers stay untouched)
+            # a second Ctrl-C / SIGTERM while they save must not end this process first: its pipes
+            # would close under the runs (BrokenPipeError) and "saved a checkpoint" be printed too early
+            ignored = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+            for _, p, _ in running.values():
+                p.terminate()  # SIGTERM: train.py finishes the step, saves and returns
+            for _, p, _ in running.values():
+                p.join()
+            for s, h in ignored.items():
+                signal.signal(s, h)
     return errors
 
 
