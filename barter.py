@@ -65,9 +65,10 @@ def resize(model, optimizer, heads, mlp, eps=0.0, generator=None, shadow=None):
     A source FRESH (-1) is a new unit: input weights drawn like the init, input bias and output side
     zero. The function is unchanged for eps = 0, and to first order in eps otherwise.
     Optimizer state goes through the same indices (scaled by STATE_POWER on a split's input side);
-    a fresh unit's state is zero but for second moments, which take the mean over the tensor's other
-    units, so that Adam's first steps on it have the usual size (with zero state and the tensor's
-    step count, they would be up to ~6x larger). `shadow`, an average of the weights keyed by
+    a fresh unit's state is zero, as a masked baseline's regrown unit's is. With the tensor's step
+    count its first Adam steps are larger than its neighbours', and that learned more than second
+    moments started at the tensor's mean: +0.27 / +0.60 points on the protocol, +0.35 on `micro`
+    (EXPERIMENTS.md, "A fresh unit's Adam state"). `shadow`, an average of the weights keyed by
     Parameter like optimizer.state (train.EMA), goes through the same indices as the weights but
     without the +-eps (so a split leaves the average's function exactly as it was), zero for a fresh
     unit. Returns, per block, which units are new halves or fresh units."""
@@ -139,9 +140,7 @@ def resize(model, optimizer, heads, mlp, eps=0.0, generator=None, shadow=None):
                     if torch.is_tensor(v) and v.shape == old.shape:
                         if key not in STATE_POWER:
                             raise RuntimeError(f"don't know how optimizer state {key!r} scales on a split")
-                        second = STATE_POWER[key] == 2
-                        typical = v.mean(dim, keepdim=True) if second and n else 0.0  # for fresh units
-                        remapped[key] = gather(v, STATE_POWER[key] if side == "in" else 0, typical)
+                        remapped[key] = gather(v, STATE_POWER[key] if side == "in" else 0, 0.0)
                     else:
                         remapped[key] = v  # scalar step and other shape-free entries are kept
                 if remapped:
