@@ -795,6 +795,33 @@ def test_resume_is_exact(tmp_path, method):
     assert ups == [10, 20, 30, 40, 50, 60, 70, 80, 90, 100]
 
 
+def test_run_records_its_environment_and_a_resume_under_another_says_so(tmp_path, capsys):
+    # the same run on one CPU thread or two differs in the last digits: a resume under another thread
+    # count must say it is not bit for bit, and the log must say what the run ran under
+    a = targs(tmp_path, max_steps=5)
+    train.main(a)
+    start = read_log(a.out_dir)[0]
+    ck = torch.load(os.path.join(a.out_dir, "checkpoint.pt"), weights_only=False)
+    n = torch.get_num_threads()
+    assert start["env"] == ck["env"] == {"torch": torch.__version__, "threads": n, "device": "cpu"}
+    resume = replace(a, max_steps=8, resume=os.path.join(a.out_dir, "checkpoint.pt"))
+    capsys.readouterr()
+    train.main(resume)
+    assert "not bit for bit" not in capsys.readouterr().out
+    other = 1 if n > 1 else 2
+    torch.set_num_threads(other)
+    try:
+        train.main(replace(resume, max_steps=11))
+    finally:
+        torch.set_num_threads(n)
+    assert f"resumed with threads {other} (the run had {n}): it continues correctly, but not bit for bit" in capsys.readouterr().out
+    del ck["env"]  # a checkpoint written before the record: resumed without a word
+    torch.save(ck, tmp_path / "old.pt")
+    capsys.readouterr()
+    train.main(replace(a, max_steps=8, resume=str(tmp_path / "old.pt"), out_dir=a.out_dir))
+    assert "resumed with" not in capsys.readouterr().out
+
+
 def test_weight_baselines_update_after_the_warmup(tmp_path):
     # barter and masked update from the first interval; rigl's swaps wait for the end of the lr warmup
     # (78 steps an epoch here), then follow --update-every until --end-frac
