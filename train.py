@@ -671,7 +671,7 @@ def train(args, ranks):
     print(f"{args.method} d={args.dense_frac} {args.pretrained or args.model} on {args.data} ({device}"
           f"{f', {ranks.world} ranks' if ranks.world > 1 else ''}): {sum(p.numel() for p in model.parameters()):,} "
           f"parameters, density {method.density():.4f}, {spe} steps/epoch, {total} steps" + (f", resumed at step {step}" if ckpt else ""))
-    was = ckpt.get("env") or env if ckpt else env  # checkpoints from before the record have none
+    was = (ckpt or {}).get("env") or env  # checkpoints from before the record have none
     changed = [f"{k} {v} (the run had {was.get(k)})" for k, v in env.items() if was.get(k) != v]
     if changed:
         print("resumed with " + ", ".join(changed) + ": it continues correctly, but not bit for bit as a run never stopped")
