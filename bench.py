@@ -227,9 +227,7 @@ def main(a: Args):
     steps = a.steps or (10 if device.type == "cuda" else 2)
     models = a.models or (() if a.runs else ("cifar-tiny", "deit-small") if device.type == "cuda" else ("cifar-tiny",))
     bf16 = a.bf16 if a.bf16 is not None else train.bf16_supported(device)
-    machine = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-               "cpu_threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
-               "bf16": bf16, "compile": a.compile}
+    machine = {**train.environment(device), "python": platform.python_version(), "bf16": bf16, "compile": a.compile}
     # (group, model, spec, [(method, density, split)]), split as Config takes it; dense once per model: it has no density
     groups = [(m, m, {}, [(meth, d, None) for d in a.densities for meth in a.methods if not (meth == "dense" and d != a.densities[0])])
               for m in models] + [run_group(p) for p in a.runs]

@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -803,7 +804,7 @@ def test_run_records_its_environment_and_a_resume_under_another_says_so(tmp_path
     start = read_log(a.out_dir)[0]
     ck = torch.load(os.path.join(a.out_dir, "checkpoint.pt"), weights_only=False)
     n = torch.get_num_threads()
-    assert start["env"] == ck["env"] == {"torch": torch.__version__, "threads": n, "device": "cpu"}
+    assert start["env"] == ck["env"] == {"device": platform.processor() or "cpu", "cpu_threads": n, "torch": torch.__version__}
     resume = replace(a, max_steps=8, resume=os.path.join(a.out_dir, "checkpoint.pt"))
     capsys.readouterr()
     train.main(resume)
@@ -814,11 +815,11 @@ def test_run_records_its_environment_and_a_resume_under_another_says_so(tmp_path
         train.main(replace(resume, max_steps=11))
     finally:
         torch.set_num_threads(n)
-    assert f"resumed with threads {other} (the run had {n}): it continues correctly, but not bit for bit" in capsys.readouterr().out
+    assert f"resumed with cpu_threads {other} (the run had {n}): it continues correctly, but not bit for bit" in capsys.readouterr().out
     del ck["env"]  # a checkpoint written before the record: resumed without a word
     torch.save(ck, tmp_path / "old.pt")
     capsys.readouterr()
-    train.main(replace(a, max_steps=8, resume=str(tmp_path / "old.pt"), out_dir=a.out_dir))
+    train.main(replace(resume, resume=str(tmp_path / "old.pt")))
     assert "resumed with" not in capsys.readouterr().out
 
 

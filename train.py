@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import os
+import platform
 import resource
 import signal
 import sys
@@ -352,8 +353,8 @@ def environment(device):
     """What decides a run's numbers beside its arguments. A run reproduces bit for bit only under the
     same torch, device and CPU thread count: the accuracy protocol's barter run at d = 0.1, seed 0,
     made 0.8622 on one thread and 0.8660 on two, on the same CPU (README, "Training")."""
-    return {"torch": torch.__version__, "threads": torch.get_num_threads(),
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+            "cpu_threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
 def save_checkpoint(path, **state):
