@@ -1268,6 +1268,10 @@ def test_study_bad_arguments(tmp_path):
         study.main(study_args(tmp_path, densities=(0.01,), equal_time=()))
     assert not os.path.exists(tmp_path / "study")
     study.validate(study_args(tmp_path, methods=("rigl", "dense"), densities=(0.01,), equal_time=()))  # no error
+    # a weights file that is not there stops the study once, before any run (not once per run)
+    with pytest.raises(train.ArgError, match="no such file"):
+        study.main(study_args(tmp_path, train=targs(tmp_path, pretrained=str(tmp_path / "missing.pt"))))
+    assert not os.path.exists(tmp_path / "study")
 
 
 # ---- issue 12: plot.py and the end-of-run summary ---------------------------------------------------
