@@ -158,8 +158,8 @@ def validate(args):
     need(args.init_batches > 0, f"--init-batches must be positive, got {args.init_batches}")
     need(args.pretrained_heads is None or args.pretrained_heads > 0, f"--pretrained-heads must be positive, got {args.pretrained_heads}")
     need(not args.eval_only or args.resume, "--eval-only needs --resume CHECKPOINT")
-    need(not args.pretrained or args.pretrained.startswith("torchvision:") or os.path.isfile(args.pretrained),
-         f"--pretrained {args.pretrained!r}: no such file")  # here, so study.py stops once, not once per run
+    need(not args.pretrained or args.resume or args.pretrained.startswith("torchvision:") or os.path.isfile(args.pretrained),
+         f"--pretrained {args.pretrained!r}: no such file")  # here, so study.py stops once; a resume needs only its checkpoint
     if not args.pretrained:  # else the shape comes from the weights file: checked once it is read
         check_img_size(args.img_size, PRESETS[args.model])
     need(args.method in METHODS, f"unknown --method {args.method!r}; choose from {', '.join(METHODS)}")
