@@ -252,7 +252,7 @@ def heads(runs):
 def tables(a, res, eq=None, chosen=None):
     t = a.train
     lines = [f"Study: `{t.model}` on `{t.data}`, {t.epochs} epochs ({t.warmup_epochs} warmup), "
-             f"batch {t.batch_size}, lr {t.lr}, an update every {t.update_every} steps, churn {t.churn} (rigl: alpha0 {t.alpha0}); "
+             f"batch {t.batch_size}, lr {t.lr}, an update every {t.update_every} steps, churn {train.derived(t).churn} (rigl: alpha0 {t.alpha0}); "
              f"seeds {', '.join(map(str, a.seeds))}; mean (min-max) over seeds; \"vs\": paired by seed, mean +- standard "
              f"error (min-max); train s = training time without evaluation"
              + (f"; {a.jobs} runs at a time (times contended)" if a.jobs > 1 else ""), "",
