@@ -1470,7 +1470,7 @@ def trained_torchvision(tmp_path_factory):
 
 
 def start(tmp_path, path, **kw):
-    a = train.derived(targs(tmp_path, pretrained=path, pretrained_heads=4, init_batches=3, **kw))
+    a = targs(tmp_path, pretrained=path, pretrained_heads=4, init_batches=3, **kw)
     torch.manual_seed(0)
     return train.build(a, None, torch.device("cpu"), train.nullcontext())
 

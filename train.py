@@ -520,6 +520,7 @@ def build(args, ckpt, device, amp, ranks=None):
     """Data, model and method of a run: initialised for a fresh run (from scratch or from --pretrained),
     or shaped like the checkpoint for its weights to be loaded. Returns (train loader, test loader,
     config, model, method, record of the pretrained start or None)."""
+    args = derived(args)  # main has filled them in already; a direct caller gets the same run
     pre = read_pretrained(args) if args.pretrained and not ckpt else None
     base = ViTConfig(**ckpt["cfg"]) if ckpt else (pre.cfg if pre else PRESETS[args.model])
     rank, world = (ranks.rank, ranks.world) if ranks else (0, 1)
