@@ -1536,7 +1536,8 @@ def test_finetune_runs_and_new_classes_get_a_fitted_head(tmp_path, trained_torch
     assert start_rec["init"]["select"] == "taylor" and start_rec["init"]["loss_start"] > 0
     # a fine-tune's defaults move fewer units and grow fresh ones; from scratch, or when given, they are as set
     assert (start_rec["args"]["churn"], start_rec["args"]["grow"]) == (0.1, "fresh")
-    assert (train.derived(targs(tmp_path)).churn, train.derived(targs(tmp_path)).grow) == (0.5, "clone")
+    scratch = train.derived(targs(tmp_path))
+    assert (scratch.churn, scratch.grow) == (0.5, "clone")
     assert train.derived(replace(a, churn=0.3, grow="clone")) == replace(a, churn=0.3, grow="clone")
     os.remove(weights)  # a resumed run takes shape and weights from its checkpoint alone
     m2, _, _ = train.main(replace(a, max_steps=20, resume=os.path.join(a.out_dir, "checkpoint.pt")))
