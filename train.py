@@ -125,7 +125,7 @@ class Args:
 
 def derived(args):
     """The arguments whose default depends on --pretrained, filled in. A fine-tune moves fewer units and
-    grows fresh ones: in the measured fine-tunes churn 0.5 cost 0.32 / 1.23 points against 0.1 (d = 0.1 /
+    grows fresh ones: in the measured fine-tunes churn 0.5 cost 0.18 / 1.09 points against 0.1 (d = 0.1 /
     0.3) and the clone 0.20-0.26 against fresh at d = 0.1 (README, "Fine-tuning"); from scratch the clone
     is the better."""
     tune = args.pretrained is not None
