@@ -43,7 +43,7 @@ class Args:
     seeds: tuple[int, ...] = (0, 1, 2)
     """seeds; every number in the tables is a mean over them with the min-max beside it"""
     equal_time: Optional[tuple[str, ...]] = None
-    """methods also run for as long as `masked` trained at the same density (more epochs, same recipe); by default barter if masked runs, else none"""
+    """methods also run for as long as `masked` trained at the same density (more epochs, same recipe); by default barter if masked runs, else none (a bare --equal-time names none)"""
     out: str = "runs/study"
     """folder for the runs and the tables"""
     jobs: int = 1
