@@ -9,7 +9,8 @@ Compute and memory are those of the dense model: that is the cost BARTER avoids.
 
   static  BARTER's compact start (same units, budgets, init), never updated: the control
   masked  structured: head and MLP-channel masks, BARTER's budgets, schedule and prune scores;
-          grows masked units by their dense gradient
+          grows masked units by their dense gradient (--grow random: at random, a structured SET,
+          which like BARTER takes no statistic from a unit that is not there)
   rigl    unstructured per linear layer: drop smallest |W|, grow largest dense |grad|
   set     as rigl, random growth
   bidst   unstructured, mask logits learned through the loss, binarized at mask updates
@@ -131,8 +132,11 @@ class MaskedMethod:
 class Masked(MaskedMethod):
     name = "masked"
 
-    def __init__(self, model, schedule, dense_frac=0.1, head_frac=None, mlp_frac=None, seed=0, trade=True):
+    def __init__(self, model, schedule, dense_frac=0.1, head_frac=None, mlp_frac=None, seed=0, trade=True,
+                 grow="gradient"):
         super().__init__(model, schedule, seed)
+        assert grow in ("gradient", "random"), grow
+        self.grow = grow
         cfg = model.cfg
         self.start, self.lo, self.hi = unit_budgets(cfg, dense_frac, head_frac, mlp_frac)
         self.rate, self.trade = channels_per_head(cfg), trade
@@ -201,7 +205,7 @@ class Masked(MaskedMethod):
                         draw = torch.nn.init.trunc_normal_(torch.empty(W.shape), std=0.02, generator=self.gen)
                         p.fill = draw.to(W.device, W.dtype) * (1 - p.mask)
                 for mod, attr, dim, seg in self.masks_of(i, kind, "out"):
-                    mod.parametrizations[attr][0].capture = True
+                    mod.parametrizations[attr][0].capture = self.grow == "gradient"
 
     @torch.no_grad()
     def after_backward(self, optimizer, t):
@@ -221,8 +225,11 @@ class Masked(MaskedMethod):
             for i, blk in enumerate(self.model.blocks):
                 n, w, _ = blk.units(kind)
                 (mod, attr, dim, seg), = self.masks_of(i, kind, "out")
-                g = all_mean(mod.parametrizations[attr][0].grad)  # dense gradient of the output side
-                gs = g.abs().float().sum(1 - dim).view(n, w).sum(1).tolist()
+                if self.grow == "gradient":
+                    g = all_mean(mod.parametrizations[attr][0].grad)  # dense gradient of the output side
+                    gs = g.abs().float().sum(1 - dim).view(n, w).sum(1).tolist()
+                else:  # the same draw on every rank: self.gen is seeded alike and drawn alike
+                    gs = torch.rand(n, generator=self.gen).tolist()
                 acc = (all_mean(self.acc[kind][i]) / max(self.nacc, 1)).tolist()
                 acc2 = (all_mean(self.acc2[kind][i]) / max(self.nacc, 1)).tolist()
                 active, fresh = self.active[kind][i].tolist(), self.fresh[kind][i].tolist()
@@ -233,7 +240,7 @@ class Masked(MaskedMethod):
                             squares[kind].append(acc2[u])
                     else:
                         grow[kind].append((gs[u], i, u))
-        # BARTER's choice, trade included, by the same scores; growth by the dense gradient
+        # BARTER's choice, trade included, by the same scores; growth by the dense gradient (or the draw)
         before = {k: self.counts(k) for k in KINDS}
         sel, net, trade = choose(before, self.lo, self.hi, prune, grow, alpha, self.rate, squares if self.trade else None)
         for kind in KINDS:

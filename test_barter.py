@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import barter
+import baselines
 import data
 import train
 from barter import Barter, Schedule, resize, taylor_scores, unit_budgets
@@ -571,10 +572,10 @@ def test_matches_torchvision_vit():
 
 # ---- issue 2, test 7 and issue 3, test 5: every method trains ----------------------------------
 
-def run(method, steps=40, frac=0.3, seed=0, update_every=8, ema_decay=None):
+def run(method, steps=40, frac=0.3, seed=0, update_every=8, ema_decay=None, grow=None):
     m = micro(seed=seed, dtype=torch.float32)
     sched = Schedule(total_steps=steps, update_every=update_every, alpha0=0.3, end_frac=0.9)
-    meth = train.make_method(method, m, sched, frac, seed=seed)
+    meth = train.make_method(method, m, sched, frac, seed=seed, grow=grow)
     meth.init_model()
     opt = train.make_optimizer(m, 2e-3, 0.05)
     ema = train.EMA(m, ema_decay) if ema_decay else None  # as train.train wires it: meth.shadow is its dict
@@ -655,6 +656,20 @@ def test_masked_weights_and_state_stay_zero(method):
                 assert torch.count_nonzero(v[off]) == 0, (name, k)
         avg = meth.shadow[W]  # the average of the weights: as sparse as they are, and not a copy of them
         assert torch.count_nonzero(avg[off]) == 0 and not torch.equal(avg[~off], W[~off]), name
+
+
+def test_masked_random_growth_takes_no_dense_gradient(monkeypatch):
+    """--grow random (a structured SET) draws the units to grow, so it never takes the dense gradient of
+    the masked units, which BARTER cannot have either; it grows other units than the gradient does,
+    the same ones for a seed, and its budgets and zeros hold (checked in every update)."""
+    by_gradient = run("masked", steps=50, update_every=6)[4]
+    monkeypatch.setattr(baselines.Mask, "keep", lambda self, g: pytest.fail("the dense gradient was taken"))
+    m, meth, opt, losses, recs = run("masked", steps=50, update_every=6, grow="random")
+    assert losses[-1] < 0.7 * losses[0] and len(recs) >= 5 and sum(recs[0]["moved"].values()) > 0
+    assert all(p.grad is None and not p.capture for _, _, p in meth.masks.values())
+    counts = [r["counts"] for r in recs]
+    assert counts != [r["counts"] for r in by_gradient]
+    assert [r["counts"] for r in run("masked", steps=50, update_every=6, grow="random")[4]] == counts
 
 
 def test_structured_density_from_masks():
@@ -844,6 +859,7 @@ def test_weight_baselines_update_after_the_warmup(tmp_path):
     (dict(end_frac=0.05), "never update"), (dict(method="rigl", update_every=10_000), "never update"),
     (dict(method="rigl", warmup_epochs=2), "never update.*lr warmup"),
     (dict(ema_decay=1.0), "ema-decay"),
+    (dict(grow="random"), "not a way barter grows"), (dict(method="masked", grow="clone"), "not a way masked grows"),
 ])
 def test_bad_arguments_fail_before_any_work(tmp_path, change, message):
     a = targs(tmp_path, **change)

@@ -86,9 +86,10 @@ class Args:
     alpha0: float = 0.25
     """rigl/set: fraction of each layer's weights moved at the first update (RigL's alpha), cosine-decayed
     to zero at --end-frac"""
-    grow: Optional[Literal["clone", "fresh"]] = None
+    grow: Optional[Literal["clone", "fresh", "gradient", "random"]] = None
     """barter: a grown unit is a split of a strong unit (clone) or a new unit with a zero output side (fresh)
-    (None: clone from scratch, fresh with --pretrained; measured in the README)"""
+    (None: clone from scratch, fresh with --pretrained; measured in the README). masked: the masked units
+    with the largest dense gradient grow (gradient, the default) or units drawn at random (random)"""
     trade: bool = True
     """barter/masked: at each update a head's worth of weights may move between heads and MLP channels
     (by the same scores), the weight density fixed; --no-trade keeps both unit budgets fixed"""
@@ -130,7 +131,7 @@ def derived(args):
     is the better."""
     tune = args.pretrained is not None
     return replace(args, churn=(0.1 if tune else 0.5) if args.churn is None else args.churn,
-                   grow=args.grow or ("fresh" if tune else "clone"))
+                   grow=args.grow or ("gradient" if args.method == "masked" else "fresh" if tune else "clone"))
 
 
 # arguments that may differ between a run and its resumption
@@ -174,6 +175,9 @@ def validate(args):
     if not args.pretrained:  # else the shape comes from the weights file: checked once it is read
         check_img_size(args.img_size, PRESETS[args.model])
     need(args.method in METHODS, f"unknown --method {args.method!r}; choose from {', '.join(METHODS)}")
+    for method, ways in (("barter", ("clone", "fresh")), ("masked", ("gradient", "random"))):
+        need(args.method != method or args.grow in (None,) + ways,
+             f"--grow {args.grow} is not a way {method} grows; choose {' or '.join(ways)}")
     need(args.data in data.DATASETS, f"unknown --data {args.data!r}; choose from {', '.join(data.DATASETS)}")
     if args.data == "folder":
         problem = data.folder_problem(args.data_dir)
@@ -231,13 +235,13 @@ def load_resume(args):
     return ckpt
 
 
-def make_method(name, model, schedule, dense_frac, head_frac=None, mlp_frac=None, distribution="erk", seed=0, grow="clone",
+def make_method(name, model, schedule, dense_frac, head_frac=None, mlp_frac=None, distribution="erk", seed=0, grow=None,
                 trade=True):
-    if name in ("barter", "static"):
-        return (Barter if name == "barter" else Static)(model, schedule, dense_frac, head_frac, mlp_frac, seed=seed, grow=grow,
-                                                         trade=trade)
+    if name in ("barter", "static"):  # static never grows
+        return (Barter if name == "barter" else Static)(model, schedule, dense_frac, head_frac, mlp_frac, seed=seed,
+                                                         grow=grow if name == "barter" and grow else "clone", trade=trade)
     if name == "masked":
-        return Masked(model, schedule, dense_frac, head_frac, mlp_frac, seed=seed, trade=trade)
+        return Masked(model, schedule, dense_frac, head_frac, mlp_frac, seed=seed, trade=trade, grow=grow or "gradient")
     if name in ("rigl", "set"):
         return Unstructured(model, schedule, dense_frac, "gradient" if name == "rigl" else "random", distribution, seed)
     if name == "bidst":
