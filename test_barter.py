@@ -811,6 +811,21 @@ def test_resume_is_exact(tmp_path, method):
     assert ups == [10, 20, 30, 40, 50, 60, 70, 80, 90, 100]
 
 
+def test_masked_checkpoint_from_before_its_grow_option_resumes(tmp_path):
+    # masked runs recorded barter's --grow value (clone) until masked had its own; they grew by the gradient
+    a = targs(tmp_path, method="masked", max_steps=5)
+    train.main(a)
+    path = os.path.join(a.out_dir, "checkpoint.pt")
+    ck = torch.load(path, weights_only=False)
+    assert ck["args"]["grow"] == "gradient"
+    ck["args"]["grow"] = "clone"
+    torch.save(ck, path)
+    train.main(replace(a, max_steps=8, resume=path))
+    assert read_log(a.out_dir)[-1]["step"] == 8
+    with pytest.raises(train.ArgError, match="--grow 'gradient' \\(now 'random'\\)"):
+        train.main(replace(a, max_steps=11, resume=path, grow="random"))
+
+
 def test_run_records_its_environment_and_a_resume_under_another_says_so(tmp_path, capsys):
     # the same run on one CPU thread or two differs in the last digits: a resume under another thread
     # count must say it is not bit for bit, and the log must say what the run ran under

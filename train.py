@@ -228,6 +228,8 @@ def load_resume(args):
     except vit.WeightsError as e:
         raise ArgError(f"--resume {e}") from None
     default = {k: f.default for k, f in Args.__dataclass_fields__.items()}  # for arguments added since
+    if ckpt["args"].get("method") == "masked" and ckpt["args"].get("grow") in ("clone", "fresh"):
+        ckpt["args"]["grow"] = "gradient"  # recorded before masked had --grow: it grew by the gradient
     differ = [k for k, v in asdict(args).items() if k not in RESUMABLE_CHANGES and ckpt["args"].get(k, default[k]) != v]
     if differ:
         raise ArgError("--resume checkpoint was made with other arguments: " +
