@@ -135,7 +135,8 @@ class Masked(MaskedMethod):
     def __init__(self, model, schedule, dense_frac=0.1, head_frac=None, mlp_frac=None, seed=0, trade=True,
                  grow="gradient"):
         super().__init__(model, schedule, seed)
-        assert grow in ("gradient", "random"), grow
+        if grow not in ("gradient", "random"):
+            raise ValueError(f"grow must be 'gradient' or 'random', got {grow!r}")
         self.grow = grow
         cfg = model.cfg
         self.start, self.lo, self.hi = unit_budgets(cfg, dense_frac, head_frac, mlp_frac)

@@ -239,11 +239,12 @@ def load_resume(args):
 
 def make_method(name, model, schedule, dense_frac, head_frac=None, mlp_frac=None, distribution="erk", seed=0, grow=None,
                 trade=True):
-    if name in ("barter", "static"):  # static never grows
-        return (Barter if name == "barter" else Static)(model, schedule, dense_frac, head_frac, mlp_frac, seed=seed,
-                                                         grow=grow if name == "barter" and grow else "clone", trade=trade)
-    if name == "masked":
-        return Masked(model, schedule, dense_frac, head_frac, mlp_frac, seed=seed, trade=trade, grow=grow or "gradient")
+    way = {} if grow is None else {"grow": grow}  # None: the method's own default
+    if name in ("barter", "masked"):
+        return (Barter if name == "barter" else Masked)(model, schedule, dense_frac, head_frac, mlp_frac, seed=seed,
+                                                         trade=trade, **way)
+    if name == "static":  # never grows
+        return Static(model, schedule, dense_frac, head_frac, mlp_frac, seed=seed, trade=trade)
     if name in ("rigl", "set"):
         return Unstructured(model, schedule, dense_frac, "gradient" if name == "rigl" else "random", distribution, seed)
     if name == "bidst":
