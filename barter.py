@@ -366,9 +366,11 @@ class Barter:
         """eps: the clone's symmetry breaking, in units of the tensor's median input-row RMS. With eps ~ 1e-3 the two
         halves of a split stay near-duplicates for the whole run (measured: half of all channels at
         d = 0.3), so a clone adds no capacity; with eps = 1 they are distinct units from the start.
-        grow: 'clone' (Net2Net split of a strong unit) or 'fresh' (a new unit, zero output side)."""
-        if grow not in ("clone", "fresh"):
-            raise ValueError(f"grow must be 'clone' or 'fresh', got {grow!r}")
+        grow: 'clone' (Net2Net split of a strong unit), 'fresh' (a new unit, zero output side, in the block
+        of a strong unit) or 'random' (a fresh unit in an absent slot drawn uniformly: no score decides
+        where, the compact twin of masked --grow random, a structured SET with BARTER's prune and trade)."""
+        if grow not in ("clone", "fresh", "random"):
+            raise ValueError(f"grow must be 'clone', 'fresh' or 'random', got {grow!r}")
         self.start, self.lo, self.hi = unit_budgets(model.cfg, dense_frac, head_frac, mlp_frac)
         self.rate = channels_per_head(model.cfg)
         self.weights = self.start["heads"] * self.rate + self.start["mlp"]  # fixed: the weight density
@@ -419,6 +421,10 @@ class Barter:
             exempt = {(b, u) for b, f in enumerate(self.fresh[kind]) for u in f.nonzero().flatten().tolist()}
             grow[kind] = [(s, b, u) for b, sb in enumerate(mean(self.acc[kind])) for u, s in enumerate(sb)]
             prune[kind] = [c for c in grow[kind] if (c[1], c[2]) not in exempt]
+            if self.grow == "random":  # candidates are the absent slots (index >= the block's count), drawn
+                slots = [(b, n + j) for b, n in enumerate(counts) for j in range(self.hi[kind][b] - n)]
+                draw = torch.rand(len(slots), generator=self.gen).tolist()  # alike on every rank
+                grow[kind] = [(r, b, u) for r, (b, u) in zip(draw, slots)]
             sq = mean(self.acc2[kind])
             squares[kind] = [sq[b][u] for _, b, u in prune[kind]]  # the trade weighs the same candidates
         # one head's worth of weights may change kind (heads <-> channels) on top of the swaps

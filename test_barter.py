@@ -672,6 +672,33 @@ def test_masked_random_growth_takes_no_dense_gradient(monkeypatch):
     assert [r["counts"] for r in run("masked", steps=50, update_every=6, grow="random")[4]] == counts
 
 
+def test_barter_random_growth_ignores_the_scores_of_units_that_exist():
+    """barter --grow random: BARTER's scores choose what is pruned, a draw chooses the absent slots that
+    grow a fresh unit. With the same units pruned, survivors ranked one way or the opposite way grow the
+    same units; under --grow fresh, which grows in the best survivors' block, they do not."""
+    def update(grow, order):
+        m = micro(dtype=torch.float32)
+        b = Barter(m, Schedule(total_steps=100, update_every=1, alpha0=0.3, end_frac=1.0), dense_frac=0.3, grow=grow,
+                   trade=False)
+        b.init_model()  # heads 2 1 1, channels 20 19 19; alpha 0.3 moves 1 head and 17 channels
+        b.acc = {k: [torch.full((n,), 1.0 + order[i]) for i, n in enumerate(m.counts(k))] for k in ("heads", "mlp")}
+        b.acc["heads"][0][0], b.acc["mlp"][0][:17] = 0.0, 0.0  # the units pruned, whatever the order
+        b.acc2, b.nacc = {k: [a * a for a in v] for k, v in b.acc.items()}, 1
+        before = {k: m.counts(k) for k in ("heads", "mlp")}
+        rec = b.update(train.make_optimizer(m, 1e-3, 0.05), 1)
+        assert rec["moved"] == {"heads": 1, "mlp": 17} and sum(rec["counts"]["mlp"]) == sum(before["mlp"])
+        for blk, new in zip(m.blocks, b.fresh["mlp"]):  # grown units are fresh: zero output side
+            assert new.sum() == 0 or not blk.mlp.fc2.weight[:, new].any()
+        return rec["counts"]
+
+    assert update("fresh", (1, 2, 3)) != update("fresh", (3, 2, 1))
+    grown = update("random", (1, 2, 3))
+    assert grown == update("random", (3, 2, 1)) and grown["mlp"][0] > 3  # block 0 regrew some of its 17
+    m, meth, opt, losses, recs = run("barter", steps=50, update_every=6, grow="random")
+    assert losses[-1] < 0.7 * losses[0] and len(recs) >= 5  # budgets and bounds: checked in every update
+    assert [r["counts"] for r in run("barter", steps=50, update_every=6, grow="random")[4]] == [r["counts"] for r in recs]
+
+
 def test_structured_density_from_masks():
     m, meth, opt, _, _ = run("masked", steps=30)
     for i, b in enumerate(m.blocks):  # count units from the masks themselves
@@ -874,7 +901,7 @@ def test_weight_baselines_update_after_the_warmup(tmp_path):
     (dict(end_frac=0.05), "never update"), (dict(method="rigl", update_every=10_000), "never update"),
     (dict(method="rigl", warmup_epochs=2), "never update.*lr warmup"),
     (dict(ema_decay=1.0), "ema-decay"),
-    (dict(grow="random"), "not a way barter grows"), (dict(method="masked", grow="clone"), "not a way masked grows"),
+    (dict(grow="gradient"), "not a way barter grows"), (dict(method="masked", grow="clone"), "not a way masked grows"),
 ])
 def test_bad_arguments_fail_before_any_work(tmp_path, change, message):
     a = targs(tmp_path, **change)

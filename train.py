@@ -87,7 +87,8 @@ class Args:
     """rigl/set: fraction of each layer's weights moved at the first update (RigL's alpha), cosine-decayed
     to zero at --end-frac"""
     grow: Optional[Literal["clone", "fresh", "gradient", "random"]] = None
-    """barter: a grown unit is a split of a strong unit (clone) or a new unit with a zero output side (fresh)
+    """barter: a grown unit is a split of a strong unit (clone), a new unit with a zero output side in a
+    strong unit's block (fresh), or a new unit in an absent slot drawn at random (random: a structured SET)
     (None: clone from scratch, fresh with --pretrained; measured in the README). masked: the masked units
     with the largest dense gradient grow (gradient, the default) or units drawn at random (random)"""
     trade: bool = True
@@ -175,7 +176,7 @@ def validate(args):
     if not args.pretrained:  # else the shape comes from the weights file: checked once it is read
         check_img_size(args.img_size, PRESETS[args.model])
     need(args.method in METHODS, f"unknown --method {args.method!r}; choose from {', '.join(METHODS)}")
-    for method, ways in (("barter", ("clone", "fresh")), ("masked", ("gradient", "random"))):
+    for method, ways in (("barter", ("clone", "fresh", "random")), ("masked", ("gradient", "random"))):
         need(args.method != method or args.grow in (None,) + ways,
              f"--grow {args.grow} is not a way {method} grows; choose {' or '.join(ways)}")
     need(args.data in data.DATASETS, f"unknown --data {args.data!r}; choose from {', '.join(data.DATASETS)}")
