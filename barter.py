@@ -333,9 +333,10 @@ def unit_budgets(cfg, dense_frac, head_frac=None, mlp_frac=None):
         if not 0 < f <= 1:
             raise ValueError(f"{kind} density must be in (0, 1], got {f}")
     budget = {k: round_half_up(fracs[k] * L * dense[k]) for k in KINDS}
-    # A block can only grow by cloning its own units, so a block left with no head has no attention
-    # for the whole run (a head transplanted into it, zero output side, trained too little to pay:
-    # -0.41 on cifar-tiny at d = 0.1, level on the protocol; EXPERIMENTS.md). When d leaves fewer
+    # A block grows from its own units (clone or fresh; only --grow random draws slots anywhere), so a
+    # block left with no head has no attention for the whole run (a head transplanted into it, zero
+    # output side, trained too little to pay: -0.41 on cifar-tiny at d = 0.1, level on the protocol;
+    # EXPERIMENTS.md). When d leaves fewer
     # heads than blocks, give every block one head and pay for the extra heads with MLP channels at
     # equal weight count (a head's qkv + proj weigh as much as 2 * head_dim channels' fc1 + fc2), so
     # the weight density stays d; if that leaves a channel per block, and only when one density sets
@@ -360,6 +361,7 @@ def unit_budgets(cfg, dense_frac, head_frac=None, mlp_frac=None):
 
 class Barter:
     name = "barter"
+    grows = ("clone", "fresh", "random")  # the ways it may grow (train.py's --grow checks against these)
     shadow = None  # train.py's EMA of the weights ({Parameter: tensor}), resized with them at every update
 
     def __init__(self, model, schedule, dense_frac=0.1, head_frac=None, mlp_frac=None, eps=1.0, seed=0, grow="clone", trade=True):
@@ -369,8 +371,8 @@ class Barter:
         grow: 'clone' (Net2Net split of a strong unit), 'fresh' (a new unit, zero output side, in the block
         of a strong unit) or 'random' (a fresh unit in an absent slot drawn uniformly: no score decides
         where, the compact twin of masked --grow random, a structured SET with BARTER's prune and trade)."""
-        if grow not in ("clone", "fresh", "random"):
-            raise ValueError(f"grow must be 'clone', 'fresh' or 'random', got {grow!r}")
+        if grow not in self.grows:
+            raise ValueError(f"grow must be one of {self.grows}, got {grow!r}")
         self.start, self.lo, self.hi = unit_budgets(model.cfg, dense_frac, head_frac, mlp_frac)
         self.rate = channels_per_head(model.cfg)
         self.weights = self.start["heads"] * self.rate + self.start["mlp"]  # fixed: the weight density
@@ -419,12 +421,14 @@ class Barter:
             mean = lambda acc: [(all_mean(a) / max(self.nacc, 1)).cpu().tolist() if a is not None else [0.0] * n
                                 for a, n in zip(acc, counts)]
             exempt = {(b, u) for b, f in enumerate(self.fresh[kind]) for u in f.nonzero().flatten().tolist()}
-            grow[kind] = [(s, b, u) for b, sb in enumerate(mean(self.acc[kind])) for u, s in enumerate(sb)]
-            prune[kind] = [c for c in grow[kind] if (c[1], c[2]) not in exempt]
+            scored = [(s, b, u) for b, sb in enumerate(mean(self.acc[kind])) for u, s in enumerate(sb)]
+            prune[kind] = [c for c in scored if (c[1], c[2]) not in exempt]
             if self.grow == "random":  # candidates are the absent slots (index >= the block's count), drawn
                 slots = [(b, n + j) for b, n in enumerate(counts) for j in range(self.hi[kind][b] - n)]
                 draw = torch.rand(len(slots), generator=self.gen).tolist()  # alike on every rank
                 grow[kind] = [(r, b, u) for r, (b, u) in zip(draw, slots)]
+            else:  # the best-scored units that exist: their clones, or fresh units in their blocks
+                grow[kind] = scored
             sq = mean(self.acc2[kind])
             squares[kind] = [sq[b][u] for _, b, u in prune[kind]]  # the trade weighs the same candidates
         # one head's worth of weights may change kind (heads <-> channels) on top of the swaps

@@ -131,12 +131,13 @@ class MaskedMethod:
 
 class Masked(MaskedMethod):
     name = "masked"
+    grows = ("gradient", "random")  # the ways it may grow (train.py's --grow checks against these)
 
     def __init__(self, model, schedule, dense_frac=0.1, head_frac=None, mlp_frac=None, seed=0, trade=True,
                  grow="gradient"):
         super().__init__(model, schedule, seed)
-        if grow not in ("gradient", "random"):
-            raise ValueError(f"grow must be 'gradient' or 'random', got {grow!r}")
+        if grow not in self.grows:
+            raise ValueError(f"grow must be one of {self.grows}, got {grow!r}")
         self.grow = grow
         cfg = model.cfg
         self.start, self.lo, self.hi = unit_budgets(cfg, dense_frac, head_frac, mlp_frac)

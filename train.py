@@ -176,9 +176,9 @@ def validate(args):
     if not args.pretrained:  # else the shape comes from the weights file: checked once it is read
         check_img_size(args.img_size, PRESETS[args.model])
     need(args.method in METHODS, f"unknown --method {args.method!r}; choose from {', '.join(METHODS)}")
-    for method, ways in (("barter", ("clone", "fresh", "random")), ("masked", ("gradient", "random"))):
-        need(args.method != method or args.grow in (None,) + ways,
-             f"--grow {args.grow} is not a way {method} grows; choose {' or '.join(ways)}")
+    for cls in (Barter, Masked):
+        need(args.method != cls.name or args.grow in (None,) + cls.grows,
+             f"--grow {args.grow} is not a way {cls.name} grows; choose {' or '.join(cls.grows)}")
     need(args.data in data.DATASETS, f"unknown --data {args.data!r}; choose from {', '.join(data.DATASETS)}")
     if args.data == "folder":
         problem = data.folder_problem(args.data_dir)
