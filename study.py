@@ -95,9 +95,13 @@ def execute(args, threads=None, log_file=None):
 def child(conn, *args):
     """A run in its own process (--jobs > 1): its error, None, or "interrupted", sent back on conn."""
     try:
-        conn.send(execute(*args))
+        result = execute(*args)
     except KeyboardInterrupt:
-        conn.send("interrupted")
+        result = "interrupted"
+    try:
+        conn.send(result)
+    except BrokenPipeError:  # the study was killed under it (a SIGTERM to its whole process group, as
+        pass  # `timeout` sends, kills a study.main without study.py's handler): the run has saved, nobody to tell
 
 
 def run_all(a, runs, desc):

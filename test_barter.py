@@ -1273,6 +1273,23 @@ def test_study_table_resume_and_equal_time(tmp_path, monkeypatch):
     assert calls == []
 
 
+def test_study_run_whose_study_died_exits_quietly(monkeypatch):
+    # `timeout` signals a whole process group: a study.main driven without study.py's handler dies at
+    # once, and its runs, having saved, must end without a BrokenPipeError traceback each
+    import study
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(study, "execute", interrupted)
+    rx, tx = torch.multiprocessing.Pipe(duplex=False)
+    rx.close()
+    study.child(tx, None)  # raised BrokenPipeError before
+    rx, tx = torch.multiprocessing.Pipe(duplex=False)
+    study.child(tx, None)
+    assert rx.recv() == "interrupted"
+
+
 @pytest.mark.parametrize("jobs", [1, 2])
 def test_study_sigterm_stops_every_run_and_resumes(tmp_path, jobs):
     # a scheduler's SIGTERM to study.py alone: no queued run starts, no run's process outlives the
