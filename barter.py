@@ -334,15 +334,14 @@ def unit_budgets(cfg, dense_frac, head_frac=None, mlp_frac=None):
             raise ValueError(f"{kind} density must be in (0, 1], got {f}")
     budget = {k: round_half_up(fracs[k] * L * dense[k]) for k in KINDS}
     # A block grows from its own units (clone or fresh; only --grow random draws slots anywhere), so a
-    # block left with no head has no attention for the whole run (a head transplanted into it, zero
-    # output side, trained too little to pay: -0.41 on cifar-tiny at d = 0.1, level on the protocol;
-    # EXPERIMENTS.md). When d leaves fewer
-    # heads than blocks, give every block one head and pay for the extra heads with MLP channels at
-    # equal weight count (a head's qkv + proj weigh as much as 2 * head_dim channels' fc1 + fc2), so
-    # the weight density stays d; if that leaves a channel per block, and only when one density sets
-    # both budgets. Fashion-MNIST, d = 0.1 (EXPERIMENTS.md): tiny-28 4 heads + 173 channels 0.8502,
-    # 6 + 125 0.8606 (3 seeds); tiny-32 2 + 154 0.7314, 6 + 26 0.7640 (5 seeds; half the channels was
-    # the limit before, which kept tiny-32 at 2 heads).
+    # block left with no head has no attention for the whole run (a head transplanted into it, zero output
+    # side, trained too little to pay: -0.41 on cifar-tiny at d = 0.1, level on the protocol;
+    # EXPERIMENTS.md). When d leaves fewer heads than blocks, give every block one head and pay for the
+    # extra heads with MLP channels at equal weight count (a head's qkv + proj weigh as much as 2 *
+    # head_dim channels' fc1 + fc2), so the weight density stays d; if that leaves a channel per block,
+    # and only when one density sets both budgets. Fashion-MNIST, d = 0.1 (EXPERIMENTS.md): tiny-28 4
+    # heads + 173 channels 0.8502, 6 + 125 0.8606 (3 seeds); tiny-32 2 + 154 0.7314, 6 + 26 0.7640 (5
+    # seeds; half the channels was the limit before, which kept tiny-32 at 2 heads).
     extra, per_head = L - budget["heads"], channels_per_head(cfg)
     if head_frac is None and mlp_frac is None and extra > 0 and extra * per_head <= budget["mlp"] - L:
         budget = {"heads": L, "mlp": budget["mlp"] - extra * per_head}
