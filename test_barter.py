@@ -1196,6 +1196,17 @@ def test_failed_data_leaves_no_run_folder(tmp_path, monkeypatch):
     assert not os.path.exists(a.out_dir)
 
 
+def test_arguments_a_run_does_not_read_are_named(tmp_path, capsys):
+    assert train.ignored(targs(tmp_path, method="barter", grow="random", churn=0.2)) is None  # barter reads them all
+    assert train.ignored(targs(tmp_path, method="rigl", grow="clone", churn=0.2, select="magnitude")) == \
+        "note: ignored: --grow, --churn (not read by --method rigl); --select (read only with --pretrained)"
+    assert train.ignored(targs(tmp_path, method="dense")) == \
+        "note: ignored: --dense-frac, --update-every (not read by --method dense)"
+    assert train.ignored(targs(tmp_path, method="masked", pretrained="w.pt", select="magnitude")) is None
+    train.main(targs(tmp_path, method="static", grow="random", max_steps=2))
+    assert "note: ignored: --grow, --update-every (not read by --method static)" in capsys.readouterr().out
+
+
 def test_static_trains_with_no_topology_update(tmp_path):
     logs = {}
     for method, extra in (("static", []), ("barter", []), ("no-trade", ["--no-trade"])):  # barter does move units

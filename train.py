@@ -143,6 +143,23 @@ class ArgError(ValueError):
     pass
 
 
+# the arguments only some methods read (every other argument is read by every method)
+READ_BY = {"dense_frac": METHODS[:-1], "head_frac": UNIT_METHODS, "mlp_frac": UNIT_METHODS, "grow": ("barter", "masked"),
+           "churn": ("barter", "masked"), "trade": ("barter", "masked"), "alpha0": WEIGHT_METHODS,
+           "distribution": ("rigl", "set"), "update_every": MOVING, "end_frac": MOVING}
+PRETRAINED_ONLY = ("select", "init_batches", "pretrained_heads")
+
+
+def ignored(args):
+    """What a user set away from its default that this run does not read, said in one line (None if
+    nothing). Not an error: study.py passes one set of arguments to every method of a grid."""
+    given = lambda names: [f"--{k.replace('_', '-')}" for k in names if getattr(args, k) != getattr(Args(), k)]
+    parts = [f"{', '.join(f)} ({why})" for f, why in
+             ((given(k for k, m in READ_BY.items() if args.method not in m), f"not read by --method {args.method}"),
+              (given(() if args.pretrained else PRETRAINED_ONLY), "read only with --pretrained")) if f]
+    return f"note: ignored: {'; '.join(parts)}" if parts else None
+
+
 def torchrun_world():
     """How many processes torchrun started (1 for a plain run)."""
     return int(os.environ.get("WORLD_SIZE", 1))
@@ -623,11 +640,14 @@ class Ranks:
 def main(args: Args):
     if args.eval_only:
         return eval_checkpoint(args)
+    unread = ignored(args)
     args = derived(args)  # the checkpoint and the log record the values the run used
     validate(args)
     ranks = Ranks(args.device)
     try:
         with (nullcontext() if ranks.main else redirect_stdout(open(os.devnull, "w"))):
+            if unread:
+                print(unread)
             out = train(args, ranks)
     except BaseException:
         ranks.close(finished=False)  # a failed rank must not wait for peers that will never come
