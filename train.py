@@ -144,9 +144,9 @@ class ArgError(ValueError):
 
 
 # the arguments only some methods read (every other argument is read by every method)
-READ_BY = {"dense_frac": tuple(m for m in METHODS if m != "dense"), "head_frac": UNIT_METHODS, "mlp_frac": UNIT_METHODS, "grow": ("barter", "masked"),
-           "churn": ("barter", "masked"), "trade": ("barter", "masked"), "alpha0": WEIGHT_METHODS,
-           "distribution": ("rigl", "set"), "update_every": MOVING, "end_frac": MOVING}
+READ_BY = {"dense_frac": tuple(m for m in METHODS if m != "dense"), "head_frac": UNIT_METHODS, "mlp_frac": UNIT_METHODS,
+           "grow": ("barter", "masked"), "churn": ("barter", "masked"), "trade": ("barter", "masked"),
+           "alpha0": WEIGHT_METHODS, "distribution": ("rigl", "set"), "update_every": MOVING, "end_frac": MOVING}
 PRETRAINED_ONLY = ("select", "init_batches", "pretrained_heads")
 
 
