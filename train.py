@@ -31,6 +31,7 @@ from vit import CKPT_FORMAT, PRESETS, ViT, ViTConfig
 METHODS = ("barter", "static", "masked", "rigl", "set", "bidst", "dense")
 UNIT_METHODS = ("barter", "static", "masked")  # the methods that count heads and MLP channels
 MOVING = ("barter", "masked", "rigl", "set", "bidst")  # the methods whose topology updates
+UNIT_MOVING = ("barter", "masked")  # the methods that move heads and channels (--grow, --churn, --trade)
 WEIGHT_METHODS = ("rigl", "set", "bidst")  # full-tensor masks of single weights
 
 
@@ -145,7 +146,7 @@ class ArgError(ValueError):
 
 # the arguments only some methods read (every other argument is read by every method)
 READ_BY = {"dense_frac": tuple(m for m in METHODS if m != "dense"), "head_frac": UNIT_METHODS, "mlp_frac": UNIT_METHODS,
-           "grow": ("barter", "masked"), "churn": ("barter", "masked"), "trade": ("barter", "masked"),
+           "grow": UNIT_MOVING, "churn": UNIT_MOVING, "trade": UNIT_MOVING,
            "alpha0": WEIGHT_METHODS, "distribution": ("rigl", "set"), "update_every": MOVING, "end_frac": MOVING}
 PRETRAINED_ONLY = ("select", "init_batches", "pretrained_heads")
 
@@ -153,10 +154,13 @@ PRETRAINED_ONLY = ("select", "init_batches", "pretrained_heads")
 def ignored(args):
     """What a user set away from its default that this run does not read, said in one line (None if
     nothing). Not an error: study.py passes one set of arguments to every method of a grid."""
-    given = lambda names: [f"--{k.replace('_', '-')}" for k in names if getattr(args, k) != getattr(Args(), k)]
-    parts = [f"{', '.join(f)} ({why})" for f, why in
-             ((given(k for k, m in READ_BY.items() if args.method not in m), f"not read by --method {args.method}"),
-              (given(() if args.pretrained else PRETRAINED_ONLY), "read only with --pretrained")) if f]
+    default = Args()
+    given = lambda names: ", ".join(f"--{k.replace('_', '-')}" for k in names if getattr(args, k) != getattr(default, k))
+    parts = []
+    if flags := given(k for k, methods in READ_BY.items() if args.method not in methods):
+        parts.append(f"{flags} (not read by --method {args.method})")
+    if not args.pretrained and (flags := given(PRETRAINED_ONLY)):
+        parts.append(f"{flags} (read only with --pretrained)")
     return f"note: ignored: {'; '.join(parts)}" if parts else None
 
 
@@ -568,7 +572,7 @@ def build(args, ckpt, device, amp, ranks=None):
     # (not measured on their own).
     start = args.warmup_epochs * spe if args.method in WEIGHT_METHODS else 0
     schedule = Schedule(args.epochs * spe, args.update_every, args.alpha0, args.end_frac, start=start,
-                        churn=args.churn if args.method in ("barter", "masked") else None)
+                        churn=args.churn if args.method in UNIT_MOVING else None)
     if args.method in MOVING and not schedule.updates():  # it would be the static control under another name
         end = int(schedule.end_frac * schedule.total_steps)
         raise ArgError(f"--method {args.method} would never update its topology: no multiple of --update-every "
