@@ -1202,7 +1202,9 @@ def test_arguments_a_run_does_not_read_are_named(tmp_path, capsys):
         "note: ignored: --grow, --churn (not read by --method rigl); --select (read only with --pretrained)"
     assert train.ignored(targs(tmp_path, method="dense")) == \
         "note: ignored: --dense-frac, --update-every (not read by --method dense)"
-    assert train.ignored(targs(tmp_path, method="masked", pretrained="w.pt", select="magnitude")) is None
+    assert train.ignored(targs(tmp_path, method="masked", pretrained="w.pt", select="magnitude", pretrained_heads=6)) is None
+    assert train.ignored(targs(tmp_path, pretrained="torchvision:vit_b_16", pretrained_heads=6)) == \
+        "note: ignored: --pretrained-heads (torchvision's model gives its own head count)"
     train.main(targs(tmp_path, method="static", grow="random", max_steps=2))
     assert "note: ignored: --grow, --update-every (not read by --method static)" in capsys.readouterr().out
 

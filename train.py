@@ -161,6 +161,8 @@ def ignored(args):
         parts.append(f"{flags} (not read by --method {args.method})")
     if not args.pretrained and (flags := given(PRETRAINED_ONLY)):
         parts.append(f"{flags} (read only with --pretrained)")
+    if (args.pretrained or "").startswith("torchvision:") and (flags := given(["pretrained_heads"])):
+        parts.append(f"{flags} (torchvision's model gives its own head count)")
     return f"note: ignored: {'; '.join(parts)}" if parts else None
 
 
