@@ -366,9 +366,9 @@ class Barter:
     def __init__(self, model, schedule, dense_frac=0.1, head_frac=None, mlp_frac=None, eps=1.0, seed=0, grow="clone", trade=True):
         """eps: the clone's symmetry breaking, in units of the tensor's median input-row RMS. With eps ~ 1e-3 the two
         halves of a split stay near-duplicates for the whole run (measured: half of all channels at
-        d = 0.3), so a clone adds no capacity; with eps = 1 they are distinct units from the start. Its best
-        size depends on the setting: 0.5 gained 0.53 points on the synthetic set (d = 0.3, an update every 20
-        of 195 steps) and lost 0.28 on the protocol at d = 0.1 (EXPERIMENTS.md, "A smaller clone push").
+        d = 0.3), so a clone adds no capacity; with eps = 1 they are distinct units from the start. 0.5 lost 0.28
+        points on the protocol at d = 0.1 and was +0.23 +- 0.24 on the synthetic set (twenty seeds); a push sized
+        by the interval's lr, or 0.5 for one kind only, did not help (EXPERIMENTS.md, "A smaller clone push" and after).
         grow: 'clone' (Net2Net split of a strong unit), 'fresh' (a new unit, zero output side, in the block
         of a strong unit) or 'random' (a fresh unit in an absent slot drawn uniformly: no score decides
         where, the compact twin of masked --grow random, a structured SET with BARTER's prune and trade)."""
