@@ -54,6 +54,11 @@ FRESH = -1  # a source index that asks for a new unit instead of a copy
 INIT_STD = 0.02  # the ViT's own init of a linear weight (vit.ViT.__init__)
 
 
+def sprout(u):
+    """The source index that asks for a new unit with unit u's input side and a zero output side."""
+    return -2 - u
+
+
 @torch.no_grad()
 def resize(model, optimizer, heads, mlp, eps=0.0, generator=None, shadow=None):
     """Rebuild block i with the source units heads[i] / mlp[i] (LongTensors, None = untouched).
@@ -63,15 +68,18 @@ def resize(model, optimizer, heads, mlp, eps=0.0, generator=None, shadow=None):
     in units of the row itself grew a lineage that kept being split by sqrt(1 + eps^2) a split, without
     bound), output side divided by m.
     A source FRESH (-1) is a new unit: input weights drawn like the init, input bias and output side
-    zero. The function is unchanged for eps = 0, and to first order in eps otherwise.
+    zero. A source sprout(u) (-2 - u) is a one-sided split: a new unit whose input side is u's, its
+    weights pushed by +eps * s * z (z ~ N(0, 1), a draw of its own), and whose output side is zero; u
+    itself is untouched. The function is unchanged for eps = 0 and, when no unit is split in two, for
+    any eps; to first order in eps otherwise.
     Optimizer state goes through the same indices (scaled by STATE_POWER on a split's input side);
-    a fresh unit's state is zero, as a masked baseline's regrown unit's is. With the tensor's step
-    count its first Adam steps are larger than its neighbours', and that learned more than second
+    a fresh or sprouted unit's state is zero, as a masked baseline's regrown unit's is. With the
+    tensor's step count its first Adam steps are larger than its neighbours', and that learned more than second
     moments started at the tensor's mean: +0.27 / +0.60 points on the protocol, +0.35 on `micro`
     (EXPERIMENTS.md, "A fresh unit's Adam state"). `shadow`, an average of the weights keyed by
     Parameter like optimizer.state (train.EMA), goes through the same indices as the weights but
     without the +-eps (so a split leaves the average's function exactly as it was), zero for a fresh
-    unit. Returns, per block, which units are new halves or fresh units."""
+    or sprouted unit. Returns, per block, which units are new: halves of a split, fresh or sprouted."""
     where = {}  # id(param) -> (group, position) in the optimizer
     if optimizer is not None:
         for g in optimizer.param_groups:
@@ -91,12 +99,13 @@ def resize(model, optimizer, heads, mlp, eps=0.0, generator=None, shadow=None):
                 continue
             dev = tensors[0][0].weight.device
             idx = torch.as_tensor(idx, dtype=torch.long).to(dev)
-            if idx.ndim != 1 or (idx.numel() and (idx.min() < FRESH or idx.max() >= n)):
-                raise ValueError(f"{kind} indices must be a 1-D tensor with values in [0, {n}) or {FRESH}")
-            new_unit = idx == FRESH
-            src = idx.clamp(min=0)  # a fresh unit gathers unit 0 (if any), then is overwritten
+            if idx.ndim != 1 or (idx.numel() and (idx.min() < sprout(n - 1) or idx.max() >= n)):
+                raise ValueError(f"{kind} indices must be a 1-D tensor with values in [0, {n}), {FRESH} "
+                                 f"(fresh) or sprout(u) = -2 - u (u < {n})")
+            new_unit, sprouted = idx < 0, idx <= sprout(0)  # both: zero output side and optimizer state
+            src = torch.where(sprouted, sprout(idx), idx.clamp(min=0))  # a fresh unit gathers unit 0, overwritten
             m = torch.bincount(idx[~new_unit], minlength=n)[src].double() if n else torch.ones(len(idx), device=dev)
-            m[new_unit] = 1
+            m[new_unit] = 1  # a sprout does not split its parent: the parent keeps its output side and state
             rank = ((idx[:, None] == idx[None, :]) & ~new_unit[:, None]).double().tril(-1).sum(1)  # 0 = the parent
             sign = (m - 1) - 2 * rank  # e.g. +1/-1 for a pair, +2/0/-2 for three: sums to zero
             fresh[kind].append((m > 1) | new_unit)
@@ -109,21 +118,26 @@ def resize(model, optimizer, heads, mlp, eps=0.0, generator=None, shadow=None):
                 size[dim] = len(rows)
                 inv_m = per_row(1.0 / m, w, seg).view(shape).to(old.dtype)
                 is_new = per_row(new_unit, w, seg).view(shape)
+                is_drawn = per_row(idx == FRESH, w, seg).view(shape)  # a sprout's input side is its parent's
 
-                def gather(t, power, fill):  # power: how t scales with the input-side split (see above)
+                def gather(t, power, fill, mask=is_new):  # power: how t scales with the input-side split (see above)
                     out = t.index_select(dim, rows) if n else t.new_zeros(size)
                     out = out * inv_m ** power if power else out
-                    return torch.where(is_new, fill, out) if bool(new_unit.any()) else out
+                    return torch.where(mask, fill, out) if bool(mask.any()) else out
 
                 wpower = 0 if side == "in" else 1  # a weight (and its average) is divided by m on the output side
                 draw = 0.0
-                if side == "in" and attr == "weight" and bool(new_unit.any()):
+                if side == "in" and attr == "weight" and bool(is_drawn.any()):
                     draw = nn.init.trunc_normal_(torch.empty(size), std=INIT_STD, generator=generator).to(old.device, old.dtype)
-                new = gather(old, wpower, draw)
-                if side == "in" and attr == "weight" and eps > 0 and bool((m > 1).any()):
-                    u = torch.randn(old.shape, generator=generator).to(old.device, old.dtype)
-                    u = u * old.pow(2).mean(1 - dim).sqrt().median()  # in units of the tensor's typical row
-                    new += eps * per_row(sign, w, seg).view(shape).to(old.dtype) * u.index_select(dim, rows)
+                new = gather(old, wpower, draw, is_drawn if side == "in" else is_new)
+                if side == "in" and attr == "weight" and eps > 0 and bool(((m > 1) | sprouted).any()):
+                    typical = old.pow(2).mean(1 - dim).sqrt().median()  # push in units of the tensor's typical row
+                    if bool((m > 1).any()):
+                        u = torch.randn(old.shape, generator=generator).to(old.device, old.dtype) * typical
+                        new += eps * per_row(sign, w, seg).view(shape).to(old.dtype) * u.index_select(dim, rows)
+                    if bool(sprouted.any()):  # a draw per new row: two sprouts of one parent are distinct
+                        u = torch.randn(size, generator=generator).to(old.device, old.dtype) * typical
+                        new += eps * per_row(sprouted, w, seg).view(shape).to(old.dtype) * u
                 new = nn.Parameter(new, requires_grad=old.requires_grad)
                 setattr(mod, attr, new)
                 if shadow is not None:
@@ -360,18 +374,21 @@ def unit_budgets(cfg, dense_frac, head_frac=None, mlp_frac=None):
 
 class Barter:
     name = "barter"
-    grows = ("clone", "fresh", "random")  # the ways it may grow (train.py's --grow checks against these)
+    grows = ("clone", "sprout", "fresh", "random")  # the ways it may grow (train.py's --grow checks against these)
     shadow = None  # train.py's EMA of the weights ({Parameter: tensor}), resized with them at every update
 
     def __init__(self, model, schedule, dense_frac=0.1, head_frac=None, mlp_frac=None, eps=1.0, seed=0, grow="clone", trade=True):
-        """eps: the clone's symmetry breaking, in units of the tensor's median input-row RMS. With eps ~ 1e-3 the two
-        halves of a split stay near-duplicates for the whole run (measured: half of all channels at
-        d = 0.3), so a clone adds no capacity; with eps = 1 they are distinct units from the start. 0.5 lost 0.28
-        points on the protocol at d = 0.1 and was +0.23 +- 0.24 on the synthetic set (twenty seeds); a push sized
-        by the interval's lr, or 0.5 for one kind only, did not help (EXPERIMENTS.md, "A smaller clone push" and after).
-        grow: 'clone' (Net2Net split of a strong unit), 'fresh' (a new unit, zero output side, in the block
-        of a strong unit) or 'random' (a fresh unit in an absent slot drawn uniformly: no score decides
-        where, the compact twin of masked --grow random, a structured SET with BARTER's prune and trade)."""
+        """eps: the clone's symmetry breaking (and a sprout's push), in units of the tensor's median
+        input-row RMS. With eps ~ 1e-3 the two halves of a split stay near-duplicates for the whole run
+        (measured: half of all channels at d = 0.3), so a clone adds no capacity; with eps = 1 they are
+        distinct units from the start. 0.5 lost 0.28 points on the protocol at d = 0.1 and was +0.23 +- 0.24
+        on the synthetic set (twenty seeds); a push sized by the interval's lr, or 0.5 for one kind only,
+        did not help (EXPERIMENTS.md, "A smaller clone push" and after).
+        grow: 'clone' (Net2Net split of a strong unit), 'sprout' (a one-sided split: a new unit with a
+        strong unit's input side, pushed by eps, and a zero output side; the parent untouched), 'fresh' (a
+        new unit, zero output side, in the block of a strong unit) or 'random' (a fresh unit in an absent
+        slot drawn uniformly: no score decides where, the compact twin of masked --grow random, a
+        structured SET with BARTER's prune and trade)."""
         if grow not in self.grows:
             raise ValueError(f"grow must be one of {self.grows}, got {grow!r}")
         self.start, self.lo, self.hi = unit_budgets(model.cfg, dense_frac, head_frac, mlp_frac)
@@ -441,7 +458,8 @@ class Barter:
             plan = []
             for b, n in enumerate(self.model.counts(kind)):
                 kept = [u for u in range(n) if (b, u) not in pruned]
-                parents = [u if self.grow == "clone" else FRESH for bb, u in G if bb == b]
+                parents = [u if self.grow == "clone" else sprout(u) if self.grow == "sprout" else FRESH
+                           for bb, u in G if bb == b]
                 same = len(parents) == 0 and len(kept) == n
                 plan.append(None if same else torch.tensor(kept + parents, dtype=torch.long))
             plans[kind], moved[kind] = plan, len(P)

@@ -24,7 +24,7 @@ import barter
 import baselines
 import data
 import train
-from barter import Barter, Schedule, resize, taylor_scores, unit_budgets
+from barter import Barter, Schedule, resize, sprout, taylor_scores, unit_budgets
 from baselines import BiDST, Masked, Unstructured, erk_densities
 import vit
 from vit import PRESETS, ViT, from_torchvision, leaf
@@ -414,6 +414,50 @@ def test_fresh_units_leave_the_function_and_start_with_zero_adam_state():
     F.cross_entropy(m(x), y).backward()
     opt.step()  # the new units learn: their output side moves off zero
     assert blk.mlp.fc2.weight[:, 1:3].abs().sum() > 0 and blk.attn.proj.weight[:, HD:2 * HD].abs().sum() > 0
+
+
+def test_sprout_copies_its_parents_input_side_and_leaves_the_function():
+    """A one-sided split (--grow sprout): the new unit's input side is its parent's, pushed by eps times the
+    tensor's typical row; its output side and optimizer state are zero, so the function is exact for any
+    eps; the parent keeps its weights and state (it is not halved as a clone is)."""
+    m = micro()
+    opt = train.make_optimizer(m, 1e-3, 0.05)
+    x, y = batch()
+    for _ in range(2):
+        opt.zero_grad()
+        F.cross_entropy(m(x), y).backward()
+        opt.step()
+    blk = m.blocks[0]
+    old = {n: (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}) for n, p in blk.named_parameters()}
+    pruned = copy.deepcopy(m)  # the same units without the sprouts
+    resize(pruned, None, [torch.tensor([2, 0]), None, None], [torch.tensor([5, 7]), None, None])
+    fresh = resize(m, opt, [torch.tensor([2, sprout(0), 0]), None, None], [torch.tensor([5, sprout(5), 7, sprout(5)]), None, None],
+                   eps=1.0, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(m(x), pruned(x), rtol=0, atol=1e-12)  # exact although eps = 1
+    assert fresh["heads"][0].tolist() == [False, True, False] and fresh["mlp"][0].tolist() == [False, True, False, True]
+    (W1, S1), (b1, _), (W2, S2) = old["mlp.fc1.weight"], old["mlp.fc1.bias"], old["mlp.fc2.weight"]
+    fc1, fc2 = blk.mlp.fc1, blk.mlp.fc2
+    st1, st2 = opt.state[fc1.weight], opt.state[fc2.weight]
+    assert torch.equal(fc1.weight[[0, 2]].detach(), W1[[5, 7]]) and torch.equal(fc2.weight[:, [0, 2]].detach(), W2[:, [5, 7]])
+    for k in ("exp_avg", "exp_avg_sq"):  # the parent's state as it was; the sprouts' zero on both sides
+        assert torch.equal(st1[k][0], S1[k][5]) and torch.equal(st2[k][:, 0], S2[k][:, 5])
+        assert not st1[k][[1, 3]].any() and not st2[k][:, [1, 3]].any()
+    assert torch.equal(fc1.bias[[1, 3]].detach(), b1[[5, 5]]) and not fc2.weight[:, [1, 3]].any()
+    push = fc1.weight[[1, 3]].detach() - W1[5]
+    typical = W1.pow(2).mean(1).sqrt().median()
+    assert 0.7 < push.pow(2).mean().sqrt().item() / typical.item() < 1.4  # eps = 1 of the typical row
+    assert abs(F.cosine_similarity(push[0], push[1], dim=0).item()) < 0.5  # two sprouts of one parent differ
+    W, S = old["attn.qkv.weight"]
+    qkv, proj = blk.attn.qkv.weight.detach(), blk.attn.proj.weight.detach()
+    parent, child = qkv_rows([0], 4), qkv_rows([1], 3)
+    d = qkv[child] - W[parent]
+    assert 0.5 < d.pow(2).mean().sqrt().item() / W.pow(2).mean(1).sqrt().median().item() < 2
+    assert torch.equal(qkv[qkv_rows([2], 3)], W[parent]) and not proj[:, head_cols([1])].any()
+    assert not opt.state[blk.attn.qkv.weight]["exp_avg"][child].any()
+    with pytest.raises(ValueError, match="sprout"):
+        resize(m, None, [torch.tensor([sprout(3)]), None, None], None)  # block 0 has 3 heads now: no unit 3
+    m, meth, opt, losses, recs = run("barter", steps=50, update_every=6, grow="sprout")
+    assert losses[-1] < 0.7 * losses[0] and len(recs) >= 5 and sum(r["moved"]["mlp"] for r in recs) > 0
 
 
 # ---- issue 2, test 4: gate-Taylor score == gradient of an explicit gate -----------------------

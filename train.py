@@ -87,9 +87,10 @@ class Args:
     alpha0: float = 0.25
     """rigl/set: fraction of each layer's weights moved at the first update (RigL's alpha), cosine-decayed
     to zero at --end-frac"""
-    grow: Optional[Literal["clone", "fresh", "gradient", "random"]] = None
-    """barter: a grown unit is a split of a strong unit (clone), a new unit with a zero output side in a
-    strong unit's block (fresh), or a new unit in an absent slot drawn at random (random: a structured SET)
+    grow: Optional[Literal["clone", "sprout", "fresh", "gradient", "random"]] = None
+    """barter: a grown unit is a split of a strong unit (clone), a new unit with a strong unit's input side
+    and a zero output side (sprout: a one-sided split), a new unit with a zero output side in a strong
+    unit's block (fresh), or a new unit in an absent slot drawn at random (random: a structured SET)
     (None: clone from scratch, fresh with --pretrained; measured in the README). masked: the masked units
     with the largest dense gradient grow (gradient, the default) or units drawn at random (random)"""
     trade: bool = True
