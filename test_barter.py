@@ -370,7 +370,8 @@ def test_average_goes_through_a_resize_like_the_weights():
     barter.check_shadow(meth.model, meth.shadow)
 
 
-def test_fresh_units_leave_the_function_and_start_with_zero_adam_state():
+def trained_micro():
+    """micro after two AdamW steps, so every parameter has Adam state to remap; with its batch."""
     m = micro()
     opt = train.make_optimizer(m, 1e-3, 0.05)
     x, y = batch()
@@ -378,6 +379,11 @@ def test_fresh_units_leave_the_function_and_start_with_zero_adam_state():
         opt.zero_grad()
         F.cross_entropy(m(x), y).backward()
         opt.step()
+    return m, opt, x, y
+
+
+def test_fresh_units_leave_the_function_and_start_with_zero_adam_state():
+    m, opt, x, y = trained_micro()
     resize(m, None, [None, None, torch.tensor([], dtype=torch.long)], None)  # block 2 loses its heads
     opt = train.make_optimizer(m, 1e-3, 0.05)
     opt.zero_grad()
@@ -420,13 +426,7 @@ def test_sprout_copies_its_parents_input_side_and_leaves_the_function():
     """A one-sided split (--grow sprout): the new unit's input side is its parent's, pushed by eps times the
     tensor's typical row; its output side and optimizer state are zero, so the function is exact for any
     eps; the parent keeps its weights and state (it is not halved as a clone is)."""
-    m = micro()
-    opt = train.make_optimizer(m, 1e-3, 0.05)
-    x, y = batch()
-    for _ in range(2):
-        opt.zero_grad()
-        F.cross_entropy(m(x), y).backward()
-        opt.step()
+    m, opt, x, y = trained_micro()
     blk = m.blocks[0]
     old = {n: (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}) for n, p in blk.named_parameters()}
     pruned = copy.deepcopy(m)  # the same units without the sprouts
