@@ -74,9 +74,9 @@ def resize(model, optimizer, heads, mlp, eps=0.0, generator=None, shadow=None):
     any eps; to first order in eps otherwise.
     Optimizer state goes through the same indices (scaled by STATE_POWER on a split's input side);
     a fresh or sprouted unit's state is zero, as a masked baseline's regrown unit's is. With the
-    tensor's step count its first Adam steps are larger than its neighbours', and that learned more than second
-    moments started at the tensor's mean: +0.27 / +0.60 points on the protocol, +0.35 on `micro`
-    (EXPERIMENTS.md, "A fresh unit's Adam state"). `shadow`, an average of the weights keyed by
+    tensor's step count its first Adam steps are larger than its neighbours', and that learned more
+    than second moments started at the tensor's mean: +0.27 / +0.60 points on the protocol, +0.35 on
+    `micro` (EXPERIMENTS.md, "A fresh unit's Adam state"). `shadow`, an average of the weights keyed by
     Parameter like optimizer.state (train.EMA), goes through the same indices as the weights but
     without the +-eps (so a split leaves the average's function exactly as it was), zero for a fresh
     or sprouted unit. Returns, per block, which units are new: halves of a split, fresh or sprouted."""
