@@ -268,16 +268,23 @@ def test_churn_sets_what_moves_over_the_whole_run():
 
 # ---- issue 2, test 3: optimizer state is remapped with the same indices ------------------------
 
-@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
-def test_optimizer_state_remap(opt_name):
+def trained_micro(make_optimizer=lambda m: train.make_optimizer(m, 1e-3, 0.05)):
+    """micro after two optimizer steps (AdamW unless told), so every parameter has state to remap; with
+    its batch."""
     m = micro()
-    opt = (train.make_optimizer(m, 1e-3, 0.05) if opt_name == "adamw"
-           else torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9, weight_decay=1e-4))
+    opt = make_optimizer(m)
     x, y = batch()
     for _ in range(2):
         opt.zero_grad()
         F.cross_entropy(m(x), y).backward()
         opt.step()
+    return m, opt, x, y
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
+def test_optimizer_state_remap(opt_name):
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9, weight_decay=1e-4)
+    m, opt, x, y = trained_micro() if opt_name == "adamw" else trained_micro(sgd)
     blk = m.blocks[0]
     old = {n: (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
            for n, p in blk.named_parameters()}
@@ -368,18 +375,6 @@ def test_average_goes_through_a_resize_like_the_weights():
     _, meth, _, _, recs = run("barter", ema_decay=0.9)  # and in training: every update checks the average
     assert recs and meth.shadow is not None
     barter.check_shadow(meth.model, meth.shadow)
-
-
-def trained_micro():
-    """micro after two AdamW steps, so every parameter has Adam state to remap; with its batch."""
-    m = micro()
-    opt = train.make_optimizer(m, 1e-3, 0.05)
-    x, y = batch()
-    for _ in range(2):
-        opt.zero_grad()
-        F.cross_entropy(m(x), y).backward()
-        opt.step()
-    return m, opt, x, y
 
 
 def test_fresh_units_leave_the_function_and_start_with_zero_adam_state():
