@@ -234,6 +234,11 @@ def main(a: Args):
     rows, profiles = [], []
     for group, model_name, spec, todo in groups:
         bs = a.batch_size or (128 if (spec.get("cfg") or preset(model_name)).img_size <= 64 else 256)
+        if a.compile:
+            # dynamo keeps 8 graphs of a function, then runs it eagerly: a group's configurations are
+            # timed in turn, so all of them must stay compiled at once (the group before is done)
+            torch.compiler.reset()
+            torch._dynamo.config.recompile_limit = len(todo) + 8
         configs = [Config(model_name, m, d, bs, device, bf16, a.compile, split=split, group=group, **spec)
                    for m, d, split in todo]
         for c in tqdm(configs, desc=f"{group} warm-up", leave=False, disable=None):

@@ -105,7 +105,8 @@ class Args:
     bf16: bool = True
     """bf16 autocast on CUDA (CPU always trains in fp32)"""
     compile: bool = False
-    """torch.compile the model (recompiles after each topology update)"""
+    """torch.compile the model; the step after each topology update that changes a shape compiles again
+    (seconds to a minute: it pays when updates are far apart, see the README)"""
     workers: int = 8
     """DataLoader workers, for --data folder only"""
     out_dir: Optional[str] = None
@@ -607,6 +608,7 @@ class Ranks:
             self.device = torch.device("cuda", self.local)
             torch.cuda.set_device(self.device)
         self.owns_group = self.world > 1 and not dist.is_initialized()
+        self.compiled_shapes = None  # the parameter shapes dynamo last compiled (wrap)
         if self.owns_group:
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
 
@@ -624,7 +626,16 @@ class Ranks:
         if self.world > 1:
             empty = any(b.attn.num_heads == 0 or b.mlp.hidden == 0 for b in model.blocks)  # their norms go unused
             fwd = DDP(model, device_ids=[self.local] if self.device.type == "cuda" else None, find_unused_parameters=empty)
-        return torch.compile(fwd) if compile else fwd
+        if not compile:
+            return fwd
+        shapes = [p.shape for p in model.parameters()]
+        if shapes != self.compiled_shapes:
+            # dynamo keeps 8 graphs of a function and then runs it eagerly for the rest of the process,
+            # with one warning: a run resized more often would drop to eager unseen. Start afresh at
+            # each new set of shapes instead: the next step recompiles
+            torch.compiler.reset()
+            self.compiled_shapes = shapes
+        return torch.compile(fwd)
 
     def check_lockstep(self, counts, step):
         """Every rank must have made the same topology decision; say so clearly if not (before DDP
