@@ -106,7 +106,7 @@ class Args:
     """bf16 autocast on CUDA (CPU always trains in fp32)"""
     compile: bool = False
     """torch.compile the model; the step after each topology update that changes a shape compiles again
-    (seconds to a minute: it pays when updates are far apart, see the README)"""
+    (15-29 s each for cifar-tiny on a 2-core CPU: it pays only when updates are far apart, see the README)"""
     workers: int = 8
     """DataLoader workers, for --data folder only"""
     out_dir: Optional[str] = None
