@@ -18,6 +18,7 @@ import tyro
 
 matplotlib.use("Agg")  # files only: works on a server with no display
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 import bench  # noqa: E402
 import train  # noqa: E402
@@ -95,7 +96,7 @@ def draw_allocation(fig, axes, run):
         ax.set_xlabel("step (topology updates)")
         ax.set_ylabel("block")
         ax.set_title(f"{run['label']}: {'heads' if kind == 'heads' else 'MLP channels'} per block", fontsize=9)
-        bar = fig.colorbar(im, ax=ax)
+        bar = fig.colorbar(im, ax=ax, ticks=MaxNLocator(integer=True))  # unit counts: no 0.25 of a head
         bar.set_label(f"units per block (dense width {dense[kind]})", fontsize=8)
 
 
@@ -112,6 +113,7 @@ def draw_runs(runs, out):
         loss.plot([r["epoch"] for r in ep], [r["train_loss"] for r in ep], marker="o", label=run["label"])
     for a, name in ((top, "test top-1"), (loss, "train loss")):
         a.set_xlabel("epoch")
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))
         a.set_ylabel(name)
         a.grid(alpha=0.3)
         a.legend(fontsize=7)
