@@ -1353,7 +1353,7 @@ def test_study_table_resume_and_equal_time(tmp_path, monkeypatch):
     assert [r["type"] for r in log].count("start") == 1 and log[-1]["step"] == 20  # resumed, not restarted
     epochs = json.load(open(os.path.join(a.out, "equal_time.json")))["static-d0.3"]
     mean = {m: statistics.mean(r["train_seconds"] for r in res[(m, 0.3)]) for m in ("static", "masked")}
-    assert epochs == max(2, math.floor(2 * mean["masked"] / mean["static"]))  # never more than masked's time
+    assert epochs == max(2, math.floor(2 * (mean["masked"] / mean["static"])))  # never more than masked's time
     assert all(r["step"] == 10 * epochs for r in eq[("static", 0.3)])
     curves = json.load(open(os.path.join(a.out, "curves.json")))
     assert len(curves["static-d0.3-s0"]) == 2 and "test_top1" in curves["static-d0.3-s0"][0]
