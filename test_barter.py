@@ -843,6 +843,20 @@ def test_main_smoke_every_method(tmp_path, method):
     assert ck["step"] == 22 and ck["format"] == train.CKPT_FORMAT
 
 
+def test_fractional_epochs_end_the_run_and_its_schedules_mid_epoch(tmp_path):
+    # study.py's equal-time runs train for a fraction of an epoch more: the lr must reach zero and the
+    # topology updates stop by --end-frac of the shortened run, not of the next whole epoch
+    a = targs(tmp_path, batch_size=500, epochs=1.4, update_every=2, warmup_epochs=1)  # 10 steps an epoch
+    _, method, opt = train.main(a)
+    log = read_log(a.out_dir)
+    assert [(r["type"], r["step"]) for r in log if r["type"] != "update"] == [
+        ("start", 0), ("epoch", 10), ("partial-epoch", 14), ("summary", 14)]
+    assert log[-1]["total_steps"] == 14 and method.schedule.total_steps == 14
+    assert opt.param_groups[0]["lr"] == 0.0  # the cosine ends at the run's last step
+    ups = [r["step"] for r in log if r["type"] == "update"]
+    assert ups == [s for s in range(2, 14, 2) if s < method.schedule.end_frac * 14] and ups
+
+
 @pytest.mark.parametrize("device", DEVICES)  # on CUDA in bf16; the CPU run keeps this test from rotting unseen
 def test_training_run_moves_units(tmp_path, device):
     a = targs(tmp_path, device=device, max_steps=40)
@@ -957,7 +971,7 @@ def test_weight_baselines_update_after_the_warmup(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     (dict(dense_frac=0.0), "dense-frac"), (dict(dense_frac=1.5), "dense-frac"), (dict(head_frac=-1.0), "head-frac"),
-    (dict(epochs=0), "epochs"), (dict(batch_size=-4), "batch-size"), (dict(update_every=0), "update-every"),
+    (dict(epochs=0), "epochs"), (dict(epochs=0.001), "less than one step"), (dict(batch_size=-4), "batch-size"), (dict(update_every=0), "update-every"),
     (dict(max_steps=0), "max-steps"), (dict(model="deit-huge"), "model"), (dict(dense_frac=0.01), "no heads"),
     (dict(data="folder", data_dir="/nonexistent/imagenet"), "not a folder"),
     (dict(data="folder", data_dir="."), "needs train/ and val/"),

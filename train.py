@@ -55,8 +55,9 @@ class Args:
     """random crop (4 px padding) and horizontal flip of training images (never a flip for digits)"""
     data_dir: str = "data"
     """where datasets are downloaded to (or the image folder)"""
-    epochs: int = 100
-    """training epochs (the lr and topology schedules span all of them)"""
+    epochs: float = 100
+    """training epochs (the lr and topology schedules span all of them); may be fractional: 4.5 ends halfway
+    through the fifth, as study.py's runs at equal time do"""
     max_steps: Optional[int] = None
     """stop after this many optimizer steps in all (smoke runs); schedules still span --epochs"""
     batch_size: int = 128
@@ -242,6 +243,11 @@ def check_budgets(args, cfg):
 def pick_device(name):
     """'auto' is cuda when there is one, else cpu."""
     return torch.device(name if name != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def total_steps(args, spe):
+    """The run's optimizer steps: --epochs of spe steps each, a fractional epoch rounded to a step."""
+    return round(args.epochs * spe)
 
 
 def run_dir(args):
@@ -569,13 +575,15 @@ def build(args, ckpt, device, amp, ranks=None):
         shapes = {"heads": ckpt["heads"], "mlp": ckpt["mlp"]} if ckpt else {}
         model = ViT(cfg, **shapes).to(device)
     spe = len(train_dl)
+    if total_steps(args, spe) < 1:
+        raise ArgError(f"--epochs {args.epochs} is less than one step of the {spe} in an epoch")
     # BARTER and masked update from the first interval (barter.Schedule says why). The weight-level
     # baselines wait for the end of the lr warmup: regrowing a quarter of every layer by the gradients
     # of a model that has barely trained cost rigl 0.54-0.56 points on the protocol (EXPERIMENTS.md,
     # "RigL's updates wait for the warmup"). set and bidst swap weights the same way and follow rigl
     # (not measured on their own).
     start = args.warmup_epochs * spe if args.method in WEIGHT_METHODS else 0
-    schedule = Schedule(args.epochs * spe, args.update_every, args.alpha0, args.end_frac, start=start,
+    schedule = Schedule(total_steps(args, spe), args.update_every, args.alpha0, args.end_frac, start=start,
                         churn=args.churn if args.method in UNIT_MOVING else None)
     if args.method in MOVING and not schedule.updates():  # it would be the static control under another name
         end = int(schedule.end_frac * schedule.total_steps)
@@ -682,7 +690,7 @@ def train(args, ranks):
     amp = autocast(device, args.bf16 and bf16_supported(device))  # the CPU trains in fp32
     train_dl, test_dl, cfg, model, method, init_rec = build(args, ckpt, device, amp, ranks)
     spe = len(train_dl)
-    total = args.epochs * spe
+    total = total_steps(args, spe)
     opt = make_optimizer(model, args.lr, args.weight_decay)
     ema = EMA(model, args.ema_decay) if args.ema_decay else None
     method.shadow = ema.shadow if ema else None
@@ -752,7 +760,7 @@ def train(args, ranks):
                 torch.cuda.reset_peak_memory_stats(device)
             sync(device)
             t0, n_img, n_steps, loss_sum = time.perf_counter(), 0, 0, torch.zeros((), device=device)
-            bar = tqdm(total=spe, initial=first, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False,
+            bar = tqdm(total=min(spe, end - epoch * spe), initial=first, desc=f"epoch {epoch + 1}/{math.ceil(args.epochs)}", leave=False,
                        disable=None if ranks.main else True)
             for x, y in train_dl.epoch(epoch, first):
                 step += 1
