@@ -56,6 +56,13 @@ def load_run(path):
             "epochs": [r for r in recs if r["type"] in ("epoch", "partial-epoch")]}
 
 
+def epoch_positions(epochs):
+    """Where each epoch record sits on the epoch axis: a partial epoch (a fractional --epochs, a run
+    cut by --max-steps or a signal) at its fraction, by the steps of a whole one."""
+    spe = next((r["step"] // r["epoch"] for r in epochs if r["type"] == "epoch"), None)
+    return [r["step"] / spe if spe else r["epoch"] for r in epochs]
+
+
 def allocation(records):
     """(steps, {kind: [[units of block i at that step] per step]}) from the start record and every
     topology update: the data behind the allocation map."""
@@ -109,8 +116,9 @@ def draw_runs(runs, out):
     top, loss = ax[len(mapped)]
     for run in runs:
         ep = run["epochs"]
-        top.plot([r["epoch"] for r in ep], [r["test_top1"] for r in ep], marker="o", label=run["label"])
-        loss.plot([r["epoch"] for r in ep], [r["train_loss"] for r in ep], marker="o", label=run["label"])
+        x = epoch_positions(ep)
+        top.plot(x, [r["test_top1"] for r in ep], marker="o", label=run["label"])
+        loss.plot(x, [r["train_loss"] for r in ep], marker="o", label=run["label"])
     for a, name in ((top, "test top-1"), (loss, "train loss")):
         a.set_xlabel("epoch")
         a.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -855,6 +855,9 @@ def test_fractional_epochs_end_the_run_and_its_schedules_mid_epoch(tmp_path):
     assert opt.param_groups[0]["lr"] == 0.0  # the cosine ends at the run's last step
     ups = [r["step"] for r in log if r["type"] == "update"]
     assert ups == [s for s in range(2, 14, 2) if s < method.schedule.end_frac * 14] and ups
+    import plot  # the curves put the last, partial epoch at its fraction
+
+    assert plot.epoch_positions(plot.load_run(a.out_dir)["epochs"]) == [1.0, 1.4]
 
 
 @pytest.mark.parametrize("device", DEVICES)  # on CUDA in bf16; the CPU run keeps this test from rotting unseen
