@@ -192,10 +192,11 @@ def equal_time_runs(a, results):
                 if not ref or not own or len(ref) < len(a.seeds) or len(own) < len(a.seeds):
                     continue  # not measured yet (or a run failed)
                 ratio = statistics.mean(r["train_seconds"] for r in ref) / statistics.mean(r["train_seconds"] for r in own)
-                # a fraction of an epoch, rounded down to a hundredth: the run gets masked's time and no more.
-                # Whole epochs were too coarse: rounded to the nearest, BARTER took 242 s against masked's 212
-                # on the protocol at d = 0.3; rounded down, 85% of masked's time at d = 0.5, where an epoch is
-                # a fifth of the budget (EXPERIMENTS.md, "Equal time in fractions of an epoch")
+                # to a hundredth of an epoch, rounded down: at its own mean pace the run gets masked's mean
+                # time and no more (contention moves each run's pace: README). Whole epochs were too coarse:
+                # rounded to the nearest, BARTER took 242 s against masked's 212 on the protocol at d = 0.3;
+                # rounded down, 85% of masked's time at d = 0.5, where an epoch is a fifth of the budget
+                # (EXPERIMENTS.md, "Equal time in fractions of an epoch")
                 chosen[key] = max(a.train.epochs, math.floor(100 * a.train.epochs * ratio) / 100)
             for seed in a.seeds:
                 name = run_name(m, d, seed, "-eq")
