@@ -974,7 +974,8 @@ def test_weight_baselines_update_after_the_warmup(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     (dict(dense_frac=0.0), "dense-frac"), (dict(dense_frac=1.5), "dense-frac"), (dict(head_frac=-1.0), "head-frac"),
-    (dict(epochs=0), "epochs"), (dict(epochs=0.001), "less than one step"), (dict(batch_size=-4), "batch-size"), (dict(update_every=0), "update-every"),
+    (dict(epochs=0), "epochs"), (dict(epochs=0.001), "less than one step"), (dict(batch_size=-4), "batch-size"),
+    (dict(update_every=0), "update-every"),
     (dict(max_steps=0), "max-steps"), (dict(model="deit-huge"), "model"), (dict(dense_frac=0.01), "no heads"),
     (dict(data="folder", data_dir="/nonexistent/imagenet"), "not a folder"),
     (dict(data="folder", data_dir="."), "needs train/ and val/"),

@@ -427,14 +427,14 @@ def read_log(out):
     return recs
 
 
-def summarize(out, total_steps, counts=None):
+def summarize(out, total, counts=None):
     """One record for the whole run, from its log (so a resumed run counts every part)."""
     recs = read_log(out)
     ep = [r for r in recs if r["type"] in ("epoch", "partial-epoch")]
     seconds = sum(r["seconds"] for r in ep)
     images = sum(r["seconds"] * r["img_per_s"] for r in ep)
     top1 = [r["test_top1"] for r in ep]
-    rec = {"type": "summary", "step": ep[-1]["step"], "total_steps": total_steps, "final_top1": top1[-1],
+    rec = {"type": "summary", "step": ep[-1]["step"], "total_steps": total, "final_top1": top1[-1],
            "best_top1": max(top1), "train_seconds": seconds, "img_per_s": images / seconds,
            "peak_mem_mb": max(r["peak_mem_mb"] for r in ep), "mem": ep[-1]["mem"], "density": ep[-1]["density"]}
     if "test_top1_ema" in ep[-1]:
@@ -575,7 +575,8 @@ def build(args, ckpt, device, amp, ranks=None):
         shapes = {"heads": ckpt["heads"], "mlp": ckpt["mlp"]} if ckpt else {}
         model = ViT(cfg, **shapes).to(device)
     spe = len(train_dl)
-    if total_steps(args, spe) < 1:
+    steps = total_steps(args, spe)
+    if steps < 1:
         raise ArgError(f"--epochs {args.epochs} is less than one step of the {spe} in an epoch")
     # BARTER and masked update from the first interval (barter.Schedule says why). The weight-level
     # baselines wait for the end of the lr warmup: regrowing a quarter of every layer by the gradients
@@ -583,7 +584,7 @@ def build(args, ckpt, device, amp, ranks=None):
     # "RigL's updates wait for the warmup"). set and bidst swap weights the same way and follow rigl
     # (not measured on their own).
     start = args.warmup_epochs * spe if args.method in WEIGHT_METHODS else 0
-    schedule = Schedule(total_steps(args, spe), args.update_every, args.alpha0, args.end_frac, start=start,
+    schedule = Schedule(steps, args.update_every, args.alpha0, args.end_frac, start=start,
                         churn=args.churn if args.method in UNIT_MOVING else None)
     if args.method in MOVING and not schedule.updates():  # it would be the static control under another name
         end = int(schedule.end_frac * schedule.total_steps)
@@ -760,8 +761,8 @@ def train(args, ranks):
                 torch.cuda.reset_peak_memory_stats(device)
             sync(device)
             t0, n_img, n_steps, loss_sum = time.perf_counter(), 0, 0, torch.zeros((), device=device)
-            bar = tqdm(total=min(spe, end - epoch * spe), initial=first, desc=f"epoch {epoch + 1}/{math.ceil(args.epochs)}", leave=False,
-                       disable=None if ranks.main else True)
+            bar = tqdm(total=min(spe, end - epoch * spe), initial=first, desc=f"epoch {epoch + 1}/{math.ceil(args.epochs)}",
+                       leave=False, disable=None if ranks.main else True)
             for x, y in train_dl.epoch(epoch, first):
                 step += 1
                 for g in opt.param_groups:
