@@ -62,13 +62,21 @@ def run_name(method, density, seed, suffix=""):
 
 
 def finished(out):
-    """The summary record of a completed run, or None."""
+    """The summary record of a completed run, or None. It carries the run's evaluations as `clock`:
+    (training seconds so far, test top-1) after each epoch, the clock counted as the summary counts it."""
     try:
         recs = train.read_log(out)
     except FileNotFoundError:
         return None
     done = [r for r in recs if r["type"] == "summary" and r["step"] >= r["total_steps"]]
-    return done[-1] if done else None
+    if not done:
+        return None
+    seconds, clock = 0.0, []
+    for r in recs:
+        if r["type"] in ("epoch", "partial-epoch"):
+            seconds += r["seconds"]
+            clock.append((seconds, r["test_top1"]))
+    return {**done[-1], "clock": clock}
 
 
 def execute(args, threads=None, log_file=None):
@@ -234,6 +242,21 @@ def paired(runs, ref, key="final_top1"):
     return [r[key] - by_seed[r["seed"]] for r in runs if r["seed"] in by_seed]
 
 
+def within(runs, ref):
+    """Top-1 of each run at its last evaluation within the training time of `ref`'s run of the same seed,
+    minus that run's final top-1: what a run cut at a budget of hours has, without the lr's last decay
+    (a lower bound on the run given that budget). A run with no evaluation in time counts nothing."""
+    budget = {r["seed"]: (r["train_seconds"], r["final_top1"]) for r in ref or []}
+    out = []
+    for r in runs:
+        if r["seed"] in budget:
+            seconds, top1 = budget[r["seed"]]
+            fits = [t1 for s, t1 in r.get("clock", []) if s <= seconds]
+            if fits:
+                out.append(fits[-1] - top1)
+    return out
+
+
 def paired_cell(diffs):
     """'mean +- standard error (min-max)' of paired differences: the seed-to-seed noise that pairing
     leaves, which a gain has to clear before it means anything."""
@@ -288,17 +311,22 @@ def tables(a, res, eq=None, chosen=None):
     if eq:
         lines += ["", "Equal wall-clock time: each method trained for the epochs (to a hundredth) that fit in the time "
                   "`masked` took at the same density, by the first table's times (same recipe otherwise); "
-                  "compare the train s columns.", "",
-                  "| density | masked top-1 | masked train s | method | epochs | top-1 at equal time | train s | vs masked, same seed |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "compare the train s columns. The last two columns cut each run at its last epoch that ended within "
+                  "the training time of `masked`'s run of the same seed (the lr not yet decayed there), and count "
+                  "the seeds that had such an epoch.", "",
+                  "| density | masked top-1 | masked train s | method | epochs | top-1 at equal time | train s | vs masked, same seed "
+                  "| cut at masked's time, vs masked | seeds in time |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for m in a.equal_time:
             for d in a.densities:
                 runs, ref = eq.get((m, d)), res.get(("masked", d))
                 if not runs or not ref:
                     continue
+                cut = within(runs, ref)
                 lines.append(f"| {d} | {spread([r['final_top1'] for r in ref])} | {spread([r['train_seconds'] for r in ref], '{:.0f}')} | "
                              f"{m} | {chosen[f'{m}-d{d}']:g} | {spread([r['final_top1'] for r in runs])} | "
-                             f"{spread([r['train_seconds'] for r in runs], '{:.0f}')} | {paired_cell(paired(runs, ref))} |")
+                             f"{spread([r['train_seconds'] for r in runs], '{:.0f}')} | {paired_cell(paired(runs, ref))} | "
+                             f"{paired_cell(cut)} | {len(cut)} of {len(runs)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1376,6 +1376,17 @@ def test_study_table_resume_and_equal_time(tmp_path, monkeypatch):
     assert all(r["step"] == round(10 * epochs) for r in eq[("static", 0.3)])
     curves = json.load(open(os.path.join(a.out, "curves.json")))
     assert len(curves["static-d0.3-s0"]) == 2 and "test_top1" in curves["static-d0.3-s0"][0]
+    # each run's clock of evaluations ends at its summary: the whole training time and the final top-1
+    for r in res[("masked", 0.3)] + eq[("static", 0.3)]:
+        assert r["clock"][-1] == (pytest.approx(r["train_seconds"]), r["final_top1"])
+        assert [s for s, _ in r["clock"]] == sorted(s for s, _ in r["clock"])
+    # the cut at masked's time: the last evaluation within the same seed's masked time, minus its top-1
+    runs = [{"seed": 0, "clock": [(10.0, 0.50), (20.0, 0.60), (30.0, 0.70)]}, {"seed": 1, "clock": [(10.0, 0.50)]}]
+    ref = [{"seed": 0, "train_seconds": 25.0, "final_top1": 0.55}, {"seed": 1, "train_seconds": 5.0, "final_top1": 0.4}]
+    assert study.within(runs, ref) == [pytest.approx(0.05)]  # seed 1 had no evaluation in its 5 s
+    row = next(line for line in text.split("Equal wall-clock")[1].splitlines() if line.startswith("| 0.3 |")).split(" | ")
+    cut = study.within(eq[("static", 0.3)], res[("masked", 0.3)])
+    assert row[-2:] == [study.paired_cell(cut), f"{len(cut)} of 2 |"]
     # a second start runs nothing: every run is finished
     calls = []
     monkeypatch.setattr(train, "main", lambda args: calls.append(args))
