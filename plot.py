@@ -53,7 +53,7 @@ def load_run(path):
     a = start["args"]
     label = f"{a['method']} d={a['dense_frac']} s={a['seed']}" if a["method"] != "dense" else f"dense s={a['seed']}"
     return {"path": path, "label": label, "method": a["method"], "start": start, "records": recs,
-            "epochs": [r for r in recs if r["type"] in ("epoch", "partial-epoch")]}
+            "epochs": train.epoch_records(recs)}
 
 
 def epoch_positions(epochs):

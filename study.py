@@ -8,6 +8,7 @@ Writes, under --out: one folder per run (train.py's log.jsonl and checkpoint.pt)
 tables), curves.json (every run's per-epoch records) and equal_time.json (the epochs chosen for the
 equal wall-clock runs, fixed once measured so that a resumed study reuses them).
 """
+import itertools
 import json
 import math
 import multiprocessing as mp
@@ -71,12 +72,8 @@ def finished(out):
     done = [r for r in recs if r["type"] == "summary" and r["step"] >= r["total_steps"]]
     if not done:
         return None
-    seconds, clock = 0.0, []
-    for r in recs:
-        if r["type"] in ("epoch", "partial-epoch"):
-            seconds += r["seconds"]
-            clock.append((seconds, r["test_top1"]))
-    return {**done[-1], "clock": clock}
+    ep = train.epoch_records(recs)
+    return {**done[-1], "clock": list(zip(itertools.accumulate(r["seconds"] for r in ep), (r["test_top1"] for r in ep)))}
 
 
 def execute(args, threads=None, log_file=None):
@@ -334,7 +331,7 @@ def curves(a, names):
     out = {}
     for name in names:
         try:
-            out[name] = [r for r in train.read_log(os.path.join(a.out, name)) if r["type"] in ("epoch", "partial-epoch")]
+            out[name] = train.epoch_records(train.read_log(os.path.join(a.out, name)))
         except FileNotFoundError:
             pass
     return out

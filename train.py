@@ -427,10 +427,15 @@ def read_log(out):
     return recs
 
 
+def epoch_records(recs):
+    """The records of a log that end an epoch and carry its evaluation: whole epochs and a partial last
+    one (a fractional --epochs, --max-steps or a signal), every part of a resumed run in order."""
+    return [r for r in recs if r["type"] in ("epoch", "partial-epoch")]
+
+
 def summarize(out, total, counts=None):
     """One record for the whole run, from its log (so a resumed run counts every part)."""
-    recs = read_log(out)
-    ep = [r for r in recs if r["type"] in ("epoch", "partial-epoch")]
+    ep = epoch_records(read_log(out))
     seconds = sum(r["seconds"] for r in ep)
     images = sum(r["seconds"] * r["img_per_s"] for r in ep)
     top1 = [r["test_top1"] for r in ep]
