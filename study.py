@@ -17,6 +17,7 @@ import os
 import signal
 import statistics
 import sys
+import time
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass, field, replace
 from typing import Optional
@@ -116,21 +117,29 @@ def run_all(a, runs, desc):
     KeyboardInterrupt is raised; the same command later resumes them."""
     todo = [(n, r) for n, r in runs if finished(r.out_dir) is None]
     bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc=desc, unit="run", disable=None)
+    done, t0 = itertools.count(len(runs) - len(todo) + 1), time.perf_counter()
+
+    def ended(name):
+        bar.update(1)
+        if bar.disable:  # no terminal (nohup, a log file): the bar would not show, so one line per run
+            m = (time.perf_counter() - t0) / 60
+            print(f"[{desc}] {next(done)}/{len(runs)} runs done ({name} ended, {m:.0f} min since start)", flush=True)
+
     try:
         if a.jobs > 1:
-            return run_parallel(a, todo, bar)
+            return run_parallel(a, todo, bar, ended)
         errors = {}
         for name, r in todo:
             bar.set_postfix_str(name)
             if err := execute(r):
                 errors[name] = err
-            bar.update(1)
+            ended(name)
         return errors
     finally:
         bar.close()
 
 
-def run_parallel(a, todo, bar):
+def run_parallel(a, todo, bar, ended):
     """--jobs > 1: one fresh process per run, started only when a slot is free (a pool would have
     queued runs that start even after an interruption); not daemonic, since --data folder runs start
     DataLoader workers. Returns {name: error} for the runs that failed."""
@@ -160,7 +169,7 @@ def run_parallel(a, todo, bar):
                     raise KeyboardInterrupt
                 if result:
                     errors[name] = result
-                bar.update(1)
+                ended(name)
     finally:  # on an interruption (or any error) the runs still going save a checkpoint and stop
         if running:  # (after a normal end there are none, and the process's signal handlers stay untouched)
             # a second Ctrl-C / SIGTERM while they save must not end this process first: its pipes

@@ -1336,14 +1336,18 @@ def study_args(tmp_path, **kw):
     return study.Args(**{**base, **kw})
 
 
-def test_study_table_resume_and_equal_time(tmp_path, monkeypatch):
+def test_study_table_resume_and_equal_time(tmp_path, monkeypatch, capsys):
     import study
 
     a = study_args(tmp_path)
     # an interrupted run: 7 of its 20 steps done, a checkpoint left behind
     part = os.path.join(a.out, "masked-d0.3-s1")
     train.main(replace(a.train, method="masked", dense_frac=0.3, seed=1, out_dir=part, max_steps=7))
+    capsys.readouterr()
     res, eq = study.main(a)
+    # no terminal under pytest, so no bar: one line per run that ended, counted over the whole grid
+    ends = [line.split(" runs done")[0] for line in capsys.readouterr().out.splitlines() if " runs done (" in line]
+    assert ends == ["[study] 1/4", "[study] 2/4", "[study] 3/4", "[study] 4/4", "[equal time] 1/2", "[equal time] 2/2"]
     text = open(os.path.join(a.out, "results.md")).read()
     assert "| static | 0.3 |" in text and "| masked | 0.3 |" in text and "| 0.3 |" in text.split("Equal wall-clock")[1]
     assert [len(res[("static", 0.3)]), len(res[("masked", 0.3)]), len(eq[("static", 0.3)])] == [2, 2, 2]
