@@ -107,7 +107,8 @@ class Args:
     """bf16 autocast on CUDA (CPU always trains in fp32)"""
     compile: bool = False
     """torch.compile the model; the step after each topology update that changes a shape compiles again
-    (15-29 s each for cifar-tiny on a 2-core CPU: it pays only when updates are far apart, see the README)"""
+    (15-29 s each for cifar-tiny on a 2-core CPU: it pays only when updates are far apart; README,
+    "Training", and BENCHMARKS.md)"""
     workers: int = 8
     """DataLoader workers, for --data folder only"""
     out_dir: Optional[str] = None
