@@ -127,7 +127,7 @@ def run_all(a, runs, desc):
 
     try:
         if a.jobs > 1:
-            return run_parallel(a, todo, bar, ended)
+            return run_parallel(a, todo, ended)
         errors = {}
         for name, r in todo:
             bar.set_postfix_str(name)
@@ -139,10 +139,10 @@ def run_all(a, runs, desc):
         bar.close()
 
 
-def run_parallel(a, todo, bar, ended):
+def run_parallel(a, todo, ended):
     """--jobs > 1: one fresh process per run, started only when a slot is free (a pool would have
     queued runs that start even after an interruption); not daemonic, since --data folder runs start
-    DataLoader workers. Returns {name: error} for the runs that failed."""
+    DataLoader workers. ended(name) is called as each run ends. Returns {name: error} for the runs that failed."""
     errors = {}
     logs = os.path.join(a.out, "logs")
     os.makedirs(logs, exist_ok=True)
