@@ -83,9 +83,9 @@ class Args:
     """fraction of training after which the topology is frozen"""
     churn: Optional[float] = None
     """barter/masked: fraction of each unit budget moved over the whole run (all updates together, cosine-
-    decayed); the fraction per update is derived from it and rounded to whole units at each update, so a
-    kind of few units moves more or less (None: 0.5 from scratch, 0.1 with --pretrained, where a pretrained unit
-    moved is knowledge lost; measured in the README)"""
+    decayed); the fraction per update is derived from it. Each update rounds its share to whole units, so
+    a kind of few units can move more or fewer than that (None: 0.5 from scratch, 0.1 with --pretrained,
+    where a pretrained unit moved is knowledge lost; measured in the README)"""
     alpha0: float = 0.25
     """rigl/set: fraction of each layer's weights moved at the first update (RigL's alpha), cosine-decayed
     to zero at --end-frac"""
