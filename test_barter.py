@@ -510,6 +510,7 @@ def test_random_updates_keep_budgets_exact(frac, split):
         assert sum(h) * rate + sum(f) == B_h * rate + B_f
         assert all(lo_h <= n <= 4 for n in h) and all(lo_f <= n <= 64 for n in f)
         assert rec["counts"] == {"heads": h, "mlp": f}
+        assert rec["moved"]["heads"] == (rec["traded"] == -1)  # a head is given up only by a trade
         assert [p.shape[0] for p in (blk.attn.qkv.weight for blk in m.blocks)] == [3 * 8 * n for n in h]
     assert moved > 0 and trades - {0}  # some update traded heads for channels or back
     train_x, train_y = batch(dtype=torch.float32)
@@ -569,6 +570,29 @@ def test_select_and_exchange():
     assert P == [] and G == [(1, 1), (0, 0)]  # block 1 is full (4) after its first clone
     assert barter.select([2, 3], [1, 1], [2, 3], cand, cand, k=0, net=-1) is None  # every block full
     assert barter.select([1, 1], [1, 1], [4, 4], cand, cand, k=0, net=1) is None  # every block at its floor
+
+
+def test_heads_move_by_the_trade_alone():
+    """With the trade on, an alpha share that swaps channels and would swap two of 8 heads swaps no
+    head: heads move only when the trade buys or sells one. Without the trade the swaps are the only
+    way heads move, so the same share swaps two."""
+    counts = {"heads": [4, 4], "mlp": [20, 20]}
+    lo, hi = {"heads": [1, 1], "mlp": [2, 2]}, {"heads": [6, 6], "mlp": [40, 40]}
+    g = torch.Generator().manual_seed(0)
+    cand = {k: [(float(torch.rand(1, generator=g)), b, u) for b, n in enumerate(c) for u in range(n)]
+            for k, c in counts.items()}
+    alpha = 0.25  # 2 of 8 heads, 10 of 40 channels
+    sel, net, t = barter.choose(counts, lo, hi, cand, cand, alpha, rate=4)
+    assert t == 0 and len(sel["heads"][0]) == 2 and len(sel["mlp"][0]) == 10
+    even = {"heads": [1.0] * 8, "mlp": [1.0] * 40}  # within the margin: no trade
+    sel, net, t = barter.choose(counts, lo, hi, cand, cand, alpha, rate=4, trade_scores=even)
+    assert t == 0 and sel["heads"] == ([], []) and len(sel["mlp"][0]) == 10
+    heavy = {"heads": [10.0] * 8, "mlp": [0.01] * 40}  # a head is worth far more than 4 channels: buy one
+    sel, net, t = barter.choose(counts, lo, hi, cand, cand, alpha, rate=4, trade_scores=heavy)
+    assert t == 1 and sel["heads"][0] == [] and len(sel["heads"][1]) == 1 and len(sel["mlp"][0]) == 10 + 4
+    light = {"heads": [0.01] * 8, "mlp": [10.0] * 40}  # sell one
+    sel, net, t = barter.choose(counts, lo, hi, cand, cand, alpha, rate=4, trade_scores=light)
+    assert t == -1 and len(sel["heads"][0]) == 1 and sel["heads"][1] == [] and len(sel["mlp"][1]) == 10 + 4
 
 
 def test_trade_weighs_squared_scores():

@@ -82,10 +82,11 @@ class Args:
     end_frac: float = 0.75
     """fraction of training after which the topology is frozen"""
     churn: Optional[float] = None
-    """barter/masked: fraction of each unit budget moved over the whole run (all updates together, cosine-
-    decayed); the fraction per update is derived from it. Each update rounds its share to whole units, so
-    a kind of few units can move more or fewer than that (None: 0.5 from scratch, 0.1 with --pretrained,
-    where a pretrained unit moved is knowledge lost; measured in the README)"""
+    """barter/masked: fraction of the channel budget swapped over the whole run (all updates together,
+    cosine-decayed; the heads' too with --no-trade, else heads move by the trade alone); the fraction per
+    update is derived from it. Each update rounds its share to whole units, so a kind of few units can
+    move more or fewer than that (None: 0.5 from scratch, 0.1 with --pretrained, where a pretrained unit
+    moved is knowledge lost; measured in the README)"""
     alpha0: float = 0.25
     """rigl/set: fraction of each layer's weights moved at the first update (RigL's alpha), cosine-decayed
     to zero at --end-frac"""
@@ -97,7 +98,8 @@ class Args:
     with the largest dense gradient grow (gradient, the default) or units drawn at random (random)"""
     trade: bool = True
     """barter/masked: at each update a head's worth of weights may move between heads and MLP channels
-    (by the same scores), the weight density fixed; --no-trade keeps both unit budgets fixed"""
+    (by the same scores), the weight density fixed, and heads move only this way; --no-trade keeps both
+    unit budgets fixed and swaps heads within their kind like channels"""
     distribution: Literal["erk", "uniform"] = "erk"
     """layer densities for rigl/set"""
     seed: int = 0
