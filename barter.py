@@ -298,9 +298,9 @@ def exchange(head_scores, channel_scores, rate, margin=4.0):
 def choose(counts, lo, hi, prune, grow, alpha, rate, trade_scores=None):
     """One update's choice for both kinds ({kind: ...} everywhere): the trade (decided by
     `trade_scores`, {kind: [score of every unit that may be pruned]}; None: no trade), then per kind
-    the alpha share of its units (the kind's budget: the sum of its counts) swapped plus the trade's
-    net change. Returns ({kind: (P, G)}, {kind: units given up}, trade); a trade that does not fit
-    the block bounds is dropped.
+    the alpha share of its units (the kind's budget: the sum of its counts; for heads none while the
+    trade is on, below) swapped plus the trade's net change. Returns ({kind: (P, G)}, {kind: units
+    given up}, trade); a trade that does not fit the block bounds is dropped.
     With the trade on, heads move by the trade alone: no head is swapped within its kind. A head swap
     gave up a head 1.3 to 860 times dearer per weight, in t^2, than any channel given up at the same
     update, and where most blocks hold one head at the floor, the weakest head of a block with several:
