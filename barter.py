@@ -306,8 +306,8 @@ def choose(counts, lo, hi, prune, grow, alpha, rate, trade_scores=None):
     update, and where most blocks hold one head at the floor, the weakest head of a block with several:
     up to 51 times the weakest head's t^2, at times the strongest head of the model. Without the swaps
     BARTER gained 0.22 +- 0.11 points on the protocol at d = 0.3 (eleven seeds) and lost 0.35 +- 0.19
-    on issue 9's model (sixteen, d = 0.3 and 0.5); over all 61 runs paired with the swaps it is level
-    (+0.08 +- 0.12; EXPERIMENTS.md, "Heads moved by the trade alone, over eleven seeds" and the entries
+    on issue 9's model (sixteen, d = 0.3 and 0.5); over all 66 runs paired with the swaps it is level
+    (+0.07 +- 0.12; EXPERIMENTS.md, "Heads moved by the trade alone, over eleven seeds" and the entries
     after it), so it stays as the simpler rule: a head moves only at the trade's price. Without
     the trade (--no-trade) the swaps are the only way heads move, so they stay."""
     t = exchange(trade_scores["heads"], trade_scores["mlp"], rate) if trade_scores else 0
