@@ -898,23 +898,24 @@ def test_training_run_moves_units(tmp_path, device):
     assert ep["mem"] == ("cuda-allocator-peak" if device == "cuda" else "process-peak-rss")
 
 
+@pytest.fixture
 def counting_compile(monkeypatch):
     """torch.compile with a backend that runs dynamo's graphs as they are (fast, and the ops of eager
     mode), listing each graph it is handed; where dynamo would give up on a function and run it
-    eagerly for good (its limit of graphs per function), fail instead."""
+    eagerly for good (its limit of graphs per function), fail instead. dynamo's own config.patch
+    restores its settings (pytest's monkeypatch cannot: the config module keeps its keys elsewhere)."""
     compile, graphs = torch.compile, []
 
     def backend(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
     monkeypatch.setattr(torch, "compile", lambda model, **kw: compile(model, backend=backend, **kw))
-    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)
-    return graphs
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=torch._dynamo.config.recompile_limit):
+        yield graphs
 
 
-def test_compiled_run_stays_compiled_through_every_resize(tmp_path, monkeypatch):
-    graphs = counting_compile(monkeypatch)
+def test_compiled_run_stays_compiled_through_every_resize(tmp_path, counting_compile):
+    graphs = counting_compile
     a = targs(tmp_path, compile=True, update_every=2, max_steps=40, churn=10.0)
     model, _, _ = train.main(a)
     shapes = {json.dumps(r["counts"]) for r in read_log(a.out_dir) if r["type"] == "update"}
@@ -1129,10 +1130,10 @@ def test_bench_smoke_writes_every_field(tmp_path, device):
     assert shape == (int(3.8 * 80), 11 * 80, 3) and colours > 20
 
 
-def test_bench_keeps_every_configuration_compiled(tmp_path, monkeypatch):
+def test_bench_keeps_every_configuration_compiled(tmp_path, counting_compile):
     import bench
 
-    graphs, limit = counting_compile(monkeypatch), torch._dynamo.config.recompile_limit
+    graphs, limit = counting_compile, torch._dynamo.config.recompile_limit
     res = bench.main(bench.Args(models=("micro",), densities=(0.1, 0.3, 0.5, 0.7), compile=True, memory=False,
                                 steps=1, rounds=1, warmup=1, batch_size=4, out=str(tmp_path / "bench.json")))
     assert len(res["rows"]) == 13 > limit  # dense once, 3 methods x 4 densities: more than dynamo keeps
