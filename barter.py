@@ -201,6 +201,14 @@ def taylor_scores(model, kind):
     return out
 
 
+def accumulate(acc, acc2, scores):
+    """acc += |t| and acc2 += t^2, in place, for every block of every kind ({kind: [tensor per block]}):
+    one multi-tensor op each, no new buffer, no host sync."""
+    for kind, s in scores.items():
+        torch._foreach_add_(acc[kind], torch._foreach_abs(s))
+        torch._foreach_add_(acc2[kind], torch._foreach_mul(s, s))
+
+
 @dataclass
 class Schedule:
     """When topology updates happen, and the fraction of a budget each one moves: RigL's
@@ -422,25 +430,29 @@ class Barter:
         self.check(start=True)
 
     def reset_stats(self):
-        self.acc = {k: [None] * self.model.cfg.depth for k in KINDS}  # sum of |t|: ranks units of a kind
-        self.acc2 = {k: [None] * self.model.cfg.depth for k in KINDS}  # sum of t^2: the trade (exchange)
+        """Zero statistics buffers, one per block and kind, made here and from then on only added into
+        in place: a captured step (train.Stepper) keeps writing to the buffers it was captured with. The
+        count of steps they hold is kept on the host, by after_step."""
+        dev = self.model.head.weight.device
+        self.acc = {k: [torch.zeros(n, device=dev) for n in self.model.counts(k)] for k in KINDS}  # sum of |t|: ranks units of a kind
+        self.acc2 = {k: [torch.zeros(n, device=dev) for n in self.model.counts(k)] for k in KINDS}  # sum of t^2: the trade
         self.nacc = 0
+
+    def updates_at(self, t):
+        """Whether step t ends with a topology update (train.Stepper runs such a step eagerly)."""
+        return self.schedule.is_update(t)
 
     def before_forward(self, t):
         pass
 
     @torch.no_grad()
-    def after_backward(self, optimizer, t):
-        """Accumulate |gate-Taylor| and its square for the active units (one multiply-reduce per block)."""
-        for kind in KINDS:
-            for i, s in enumerate(taylor_scores(self.model, kind)):
-                a, a2 = self.acc[kind][i], self.acc2[kind][i]
-                self.acc[kind][i] = s.abs() if a is None else a + s.abs()
-                self.acc2[kind][i] = s * s if a2 is None else a2 + s * s
-        self.nacc += 1
+    def after_backward(self, optimizer):
+        """Add |gate-Taylor| and its square of the active units to the buffers: device work only."""
+        accumulate(self.acc, self.acc2, {kind: taylor_scores(self.model, kind) for kind in KINDS})
 
     def after_step(self, optimizer, t):
-        return self.update(optimizer, t) if self.schedule.is_update(t) else None
+        self.nacc += 1  # one more step in the buffers (host side: a replayed step runs no Python)
+        return self.update(optimizer, t) if self.updates_at(t) else None
 
     @torch.no_grad()
     def update(self, optimizer, t):
@@ -448,8 +460,7 @@ class Barter:
         alpha, grow, prune, squares, plans, moved = self.schedule.alpha(t), {}, {}, {}, {}, {}
         for kind in KINDS:
             counts = self.model.counts(kind)
-            mean = lambda acc: [(all_mean(a) / max(self.nacc, 1)).cpu().tolist() if a is not None else [0.0] * n
-                                for a, n in zip(acc, counts)]
+            mean = lambda acc: [(all_mean(a) / max(self.nacc, 1)).cpu().tolist() for a in acc]
             exempt = {(b, u) for b, f in enumerate(self.fresh[kind]) for u in f.nonzero().flatten().tolist()}
             scored = [(s, b, u) for b, sb in enumerate(mean(self.acc[kind])) for u, s in enumerate(sb)]
             prune[kind] = [c for c in scored if (c[1], c[2]) not in exempt]
@@ -500,10 +511,12 @@ class Barter:
         return {"acc": self.acc, "acc2": self.acc2, "nacc": self.nacc, "fresh": self.fresh, "gen": self.gen.get_state()}
 
     def load_state_dict(self, sd):
-        dev = self.model.head.weight.device  # a checkpoint is loaded to the CPU
-        none = {k: [None] * self.model.cfg.depth for k in KINDS}  # a checkpoint from before t^2 was kept
-        self.acc, self.acc2 = ({k: [None if a is None else a.to(dev) for a in v] for k, v in sd.get(key, none).items()}
-                               for key in ("acc", "acc2"))
+        self.reset_stats()
+        for key in ("acc", "acc2"):  # into the buffers; a checkpoint from before t^2 was kept has no acc2
+            for kind, bufs in getattr(self, key).items():
+                for buf, a in zip(bufs, sd.get(key, {}).get(kind, [None] * len(bufs))):
+                    if a is not None:  # None: a block that had no statistic yet (older checkpoints)
+                        buf.copy_(a)
         self.nacc, self.fresh = sd["nacc"], sd["fresh"]
         self.gen.set_state(sd["gen"])
         self.check()

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
-from barter import KINDS, Barter, all_mean, channels_per_head, choose, round_half_up, taylor_scores, uniform, unit_budgets
+from barter import KINDS, Barter, accumulate, all_mean, channels_per_head, choose, round_half_up, taylor_scores, uniform, unit_budgets
 from vit import leaf, per_row
 
 
@@ -33,7 +33,10 @@ class Static(Barter):
 
     name = "static"
 
-    def after_backward(self, optimizer, t):
+    def updates_at(self, t):
+        return False
+
+    def after_backward(self, optimizer):
         pass
 
     def after_step(self, optimizer, t):
@@ -69,6 +72,10 @@ class MaskedMethod:
         self.model, self.schedule = model, schedule
         self.gen = torch.Generator().manual_seed(seed)
         self.masks = {}  # name -> Mask parametrization
+
+    def updates_at(self, t):
+        """Whether step t ends with a mask update (train.Stepper runs such a step eagerly)."""
+        return self.schedule.is_update(t)
 
     def add_mask(self, name, mod, attr, mask):
         p = Mask(mask.to(getattr(mod, attr).device, getattr(mod, attr).dtype))
@@ -181,7 +188,7 @@ class Masked(MaskedMethod):
         self.apply_masks(None)
 
     def reset_stats(self):
-        dev = self.model.head.weight.device  # accumulated on the device: no sync per step
+        dev = self.model.head.weight.device  # on the device, added into in place (Barter.reset_stats says why)
         self.acc = {k: [torch.zeros(a.numel(), device=dev) for a in self.active[k]] for k in KINDS}
         self.acc2 = {k: [torch.zeros(a.numel(), device=dev) for a in self.active[k]] for k in KINDS}
         self.nacc = 0
@@ -192,7 +199,7 @@ class Masked(MaskedMethod):
 
     @torch.no_grad()
     def before_forward(self, t):
-        if not self.schedule.is_update(t):
+        if not self.updates_at(t):
             return
         # Candidates for growth get a fresh input side (q/k/v rows, fc1 row) drawn like the init,
         # only in this forward: their output side is zero, so the function is unchanged, yet the
@@ -210,16 +217,13 @@ class Masked(MaskedMethod):
                     mod.parametrizations[attr][0].capture = self.grow == "gradient"
 
     @torch.no_grad()
-    def after_backward(self, optimizer, t):
-        for kind in KINDS:
-            for i, s in enumerate(taylor_scores(self.model, kind)):  # masked units score exactly 0
-                self.acc[kind][i] += s.abs()
-                self.acc2[kind][i] += s * s
-        self.nacc += 1
+    def after_backward(self, optimizer):
+        accumulate(self.acc, self.acc2, {kind: taylor_scores(self.model, kind) for kind in KINDS})  # masked units score 0
 
     @torch.no_grad()
     def after_step(self, optimizer, t):
-        if not self.schedule.is_update(t):
+        self.nacc += 1
+        if not self.updates_at(t):
             return None
         t0, alpha, moved, prune, grow, squares = time.perf_counter(), self.schedule.alpha(t), {}, {}, {}, {}
         for kind in KINDS:
@@ -339,11 +343,11 @@ class Unstructured(MaskedMethod):
         self.apply_masks(None)
 
     def before_forward(self, t):
-        if self.grow == "gradient" and self.schedule.is_update(t):
+        if self.grow == "gradient" and self.updates_at(t):
             for _, _, p in self.masks.values():
                 p.capture = True
 
-    def after_backward(self, optimizer, t):
+    def after_backward(self, optimizer):
         pass
 
     def grow_scores(self, name, p):
@@ -353,7 +357,7 @@ class Unstructured(MaskedMethod):
 
     @torch.no_grad()
     def after_step(self, optimizer, t):
-        if not self.schedule.is_update(t):
+        if not self.updates_at(t):
             return None
         t0, alpha, moved = time.perf_counter(), self.schedule.alpha(t), 0
         for name, (mod, attr, p) in self.masks.items():
@@ -416,20 +420,28 @@ class BiDST(Unstructured):
         pass
 
     @torch.no_grad()
-    def after_backward(self, optimizer, t):
-        lr = optimizer.param_groups[0]["lr"]
+    def after_backward(self, optimizer):
+        lr = optimizer.param_groups[0]["lr"]  # on CUDA a device tensor, which each replay of a captured step reads anew
         for name, (mod, attr, p) in self.masks.items():
             s = self.logits[name]
             g, W = all_mean(p.grad).to(s.dtype), leaf(mod, attr).to(s.dtype)
-            u = torch.rand(s.shape, generator=self.gen, dtype=s.dtype).clamp_(1e-6, 1 - 1e-6).to(s.device)
+            u = self.uniform(s).clamp_(1e-6, 1 - 1e-6)
             m = torch.sigmoid((s + torch.log(u) - torch.log1p(-u)) / self.tau)
             ds = (g * W - lr * g * g) * m * (1 - m) / self.tau
             s -= self.logit_lr * ds / (ds.pow(2).mean().sqrt() + 1e-12)
             self.logit_grad[name] = ds
 
+    def uniform(self, s):
+        """Noise for the relaxed mask, shaped like s: on the CPU from the method's generator; on CUDA from
+        torch's CUDA generator, which a captured step may draw from (each replay draws anew; train.py
+        checkpoints its state), with no copy from the host inside the step."""
+        if s.is_cuda:
+            return torch.rand(s.shape, device=s.device, dtype=s.dtype)
+        return torch.rand(s.shape, generator=self.gen, dtype=s.dtype)
+
     @torch.no_grad()
     def after_step(self, optimizer, t):
-        if not self.schedule.is_update(t):
+        if not self.updates_at(t):
             return None
         t0, moved = time.perf_counter(), 0
         for name, (mod, attr, p) in self.masks.items():
@@ -460,10 +472,13 @@ class Dense:
     def init_model(self, **_):
         pass
 
+    def updates_at(self, t):
+        return False
+
     def before_forward(self, t):
         pass
 
-    def after_backward(self, optimizer, t):
+    def after_backward(self, optimizer):
         pass
 
     def after_step(self, optimizer, t):

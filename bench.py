@@ -51,6 +51,10 @@ class Args:
     """bf16 autocast (None: on CUDA, where supported; on CPU it needs a CPU with bf16 instructions to be fast)"""
     compile: bool = False
     """torch.compile every model"""
+    cuda_graph: tuple[bool, ...] = (False,)
+    """False: eager steps; True: each step replayed from one captured CUDA graph (train.py --cuda-graph; CUDA
+    only). `--cuda-graph False True` times both, interleaved; each row's ratios are against masked in the
+    same mode, and against eager masked where it ran"""
     memory: bool = True
     """measure peak memory (on CPU: one subprocess per configuration)"""
     profile: bool = False
@@ -82,23 +86,30 @@ def build(model_name, method, density, batch_size, device, seed=0, cfg=None, fra
 
 class Config:
     def __init__(self, model_name, method, density, batch_size, device, bf16, compile, cfg=None, fracs=(None, None),
-                 split=None, group=None):
-        """split: None, "start" (BARTER's start, beside a run's end) or a run's {kind: units per block}."""
-        self.key = dict(model=group or model_name, method=method, density=density if method != "dense" else 1.0)
+                 split=None, group=None, graph=False):
+        """split: None, "start" (BARTER's start, beside a run's end) or a run's {kind: units per block}.
+        graph: the step captured as a CUDA graph and replayed (train.Stepper)."""
+        self.key = dict(model=group or model_name, method=method, density=density if method != "dense" else 1.0,
+                        cuda_graph=graph)
         if split is not None:
             self.key["split"] = "start" if split == "start" else "end"
         units = split if isinstance(split, dict) else None
         self.model, self.meth, self.opt, self.x, self.y = build(model_name, method, density, batch_size, device, 0,
                                                                 cfg, fracs, units)
-        self.mem_spec = (model_name, method, density, batch_size, str(device), bf16, cfg, fracs, split)  # for peak_memory
-        self.fwd = torch.compile(self.model) if compile else self.model
+        self.mem_spec = (model_name, method, density, batch_size, str(device), bf16, cfg, fracs, split, graph)  # for peak_memory
         self.amp = train.autocast(device, bf16)
-        self.device, self.t, self.times = device, 0, []
+        self.step = train.Stepper(self.model, self.meth, self.opt, self.amp, 1.0, 0.1, train.Graph() if graph else None)
+        self.step.fwd = torch.compile(self.model) if compile else self.model
+        self.device, self.graph, self.t, self.times = device, graph, 0, []
 
     def run(self, n):
         for _ in range(n):
             self.t += 1
-            train.train_step(self.model, self.fwd, self.meth, self.opt, self.x, self.y, self.t, self.amp, 1.0, 0.1)
+            self.step(self.x, self.y, self.t)
+
+    def warm_up(self, n):
+        """n untimed steps, and with a graph as many more as it takes to have it captured."""
+        self.run(n + (train.Stepper.WARMUP + 1 if self.graph else 0))
 
     def timed(self, n):
         train.sync(self.device)
@@ -113,7 +124,8 @@ def status_mb(field):
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024  # kB
 
 
-def peak_memory(model_name, method, density, batch_size, device, bf16, cfg=None, fracs=(None, None), split=None, steps=2):
+def peak_memory(model_name, method, density, batch_size, device, bf16, cfg=None, fracs=(None, None), split=None, graph=False,
+                steps=2):
     """MB of peak memory one configuration allocates (run alone: see the module docstring)."""
     device = torch.device(device)
     if device.type == "cuda":
@@ -127,8 +139,8 @@ def peak_memory(model_name, method, density, batch_size, device, bf16, cfg=None,
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         base = status_mb("VmRSS")
-    c = Config(model_name, method, density, batch_size, device, bf16, False, cfg, fracs, split)
-    c.run(steps)
+    c = Config(model_name, method, density, batch_size, device, bf16, False, cfg, fracs, split, graph=graph)
+    c.warm_up(steps)
     if device.type == "cuda":
         peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
         del c
@@ -185,19 +197,46 @@ def top_ops(c, steps, rows=12):
 
 
 def update_cost(c, repeats=3):
-    """Seconds of one BARTER topology update at the largest fraction moved (alpha0)."""
-    sched = c.meth.schedule
-    c.meth.schedule = Schedule(total_steps=10**6, update_every=1, end_frac=1.0)
-    times = []
+    """Seconds of one BARTER topology update at the largest fraction moved (alpha0), and with a graph the
+    seconds its capture again adds: the eager warm-up steps and the capture step after the update, less
+    as many replayed steps (the median timed step). Medians over `repeats`."""
+    update, capture = [], []
     for _ in range(repeats):
         c.run(1)  # fresh statistics, as after a training interval
+        sched, c.meth.schedule = c.meth.schedule, Schedule(total_steps=10**6, update_every=1, end_frac=1.0)
         train.sync(c.device)
         t0 = time.perf_counter()
         c.meth.update(c.opt, 1)
         train.sync(c.device)
-        times.append(time.perf_counter() - t0)
-    c.meth.schedule = sched
-    return statistics.median(times)
+        update.append(time.perf_counter() - t0)
+        c.meth.schedule = sched
+        c.step.release()  # as the Stepper does after an update step: the graph's tensors were replaced
+        if c.graph:
+            n = train.Stepper.WARMUP + 1
+            t0 = time.perf_counter()
+            c.run(n)
+            train.sync(c.device)
+            capture.append(time.perf_counter() - t0 - n * statistics.median(c.times))
+    return statistics.median(update), statistics.median(capture) if capture else 0.0
+
+
+def device_work(c, steps):
+    """Per step on CUDA: GPU busy time (ms, the sum of the kernels' and copies' durations), kernels run, and
+    launches the host made (a graph replay is one), from torch.profiler over `steps` steps. Where the
+    profiler sees no kernel inside a replayed graph, only the launches are reported."""
+    DEV = torch.autograd.DeviceType.CUDA
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        c.run(steps)
+        train.sync(c.device)
+    ev = prof.events()
+    dev = [e for e in ev if e.device_type == DEV]
+    kernels = [e for e in dev if not e.name.startswith(("Memcpy", "Memset"))]
+    launches = [e for e in ev if e.device_type != DEV and e.name in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
+                                                                     "cuLaunchKernelEx", "cudaGraphLaunch")]
+    out = {"launches_per_step": len(launches) / steps}
+    if kernels:
+        out.update(gpu_busy_ms=sum(e.time_range.elapsed_us() for e in dev) / 1e3 / steps, kernels_per_step=len(kernels) / steps)
+    return out
 
 
 def run_group(path):
@@ -224,60 +263,31 @@ def main(a: Args):
     if bad:
         raise SystemExit(f"error: unknown method or density out of (0, 1]: {', '.join(bad)}")
     device = train.pick_device(a.device)
+    if any(a.cuda_graph) and (device.type != "cuda" or a.compile):
+        raise SystemExit(f"error: --cuda-graph True needs a CUDA device (this is {device}) and no --compile")
     steps = a.steps or (10 if device.type == "cuda" else 2)
     models = a.models or (() if a.runs else ("cifar-tiny", "deit-small") if device.type == "cuda" else ("cifar-tiny",))
     bf16 = a.bf16 if a.bf16 is not None else train.bf16_supported(device)
-    machine = {**train.environment(device), "python": platform.python_version(), "bf16": bf16, "compile": a.compile}
+    machine = {**train.environment(device), "python": platform.python_version(), "bf16": bf16, "compile": a.compile,
+               "cuda_graph": list(a.cuda_graph)}
     # (group, model, spec, [(method, density, split)]), split as Config takes it; dense once per model: it has no density
     groups = [(m, m, {}, [(meth, d, None) for d in a.densities for meth in a.methods if not (meth == "dense" and d != a.densities[0])])
               for m in models] + [run_group(p) for p in a.runs]
     rows, profiles = [], []
-    for group, model_name, spec, todo in groups:
-        bs = a.batch_size or (128 if (spec.get("cfg") or preset(model_name)).img_size <= 64 else 256)
-        if a.compile:
-            # dynamo keeps 8 graphs of a function, then runs it eagerly: a group's configurations are
-            # timed in turn, so all of them must stay compiled at once (the group before is done)
-            torch.compiler.reset()
-            torch._dynamo.config.recompile_limit = len(todo) + 8
-        configs = [Config(model_name, m, d, bs, device, bf16, a.compile, split=split, group=group, **spec)
-                   for m, d, split in todo]
-        for c in tqdm(configs, desc=f"{group} warm-up", leave=False, disable=None):
-            c.run(a.warmup)
-        for _ in tqdm(range(a.rounds), desc=f"{group} rounds", leave=False, disable=None):
-            for c in configs:
-                c.timed(steps)
-        if a.profile:
-            low = min(c.key["density"] for c in configs)
-            profiles += [top_ops(c, steps) for c in configs if c.key["density"] == low and c.key["method"] in ("masked", "barter")]
-        mine = []
-        for c in configs:
-            r = {**c.key, "batch_size": bs, "step_ms": 1e3 * statistics.median(c.times),
-                 "step_ms_min": 1e3 * min(c.times), "step_ms_max": 1e3 * max(c.times),
-                 "img_per_s": bs / statistics.median(c.times), "flops_per_img": c.model.flops_per_image(),
-                 "density_measured": c.meth.density(), "act_by_op": activation_mb(c)}
-            r["act_mb_per_img"] = sum(r["act_by_op"].values())
-            if r["method"] in train.UNIT_METHODS:
-                r["units"] = {k: c.model.counts(k) for k in ("heads", "mlp")}
-            if r["method"] == "barter":
-                r["update_ms"] = 1e3 * update_cost(c)
-                r["update_share"] = r["update_ms"] / (train.Args.update_every * r["step_ms"] + r["update_ms"])
-            mine.append((r, c.mem_spec))
-        rows += [r for r, _ in mine]
-        del configs, c  # free them before the memory of each configuration is measured alone
-        if a.memory:
-            for r, mem_spec in tqdm(mine, desc=f"{group} memory", leave=False, disable=None):
-                if device.type == "cuda":
-                    r["peak_mem_mb"] = peak_memory(*mem_spec)
-                else:
-                    with mp.get_context("spawn").Pool(1) as pool:
-                        r["peak_mem_mb"] = pool.apply(peak_memory, mem_spec)
-    for r in rows:  # ratios against full-tensor structured DST at the same density
-        ref = next((q for q in rows if q["model"] == r["model"] and q["method"] == "masked" and q["density"] == r["density"]), None)
+    for group in groups:
+        r, p = time_group(a, device, bf16, steps, *group)
+        rows, profiles = rows + r, profiles + p
+    for r in rows:  # ratios against full-tensor structured DST at the same density (and the same kind of step)
+        same = lambda q, graph: q["model"] == r["model"] and q["method"] == "masked" and q["density"] == r["density"] \
+            and q["cuda_graph"] == graph
+        ref, eager = (next((q for q in rows if same(q, g)), None) for g in (r["cuda_graph"], False))
         if ref:
             r["speedup_vs_masked"] = ref["step_ms"] / r["step_ms"]
             r["ideal_speedup"] = ref["flops_per_img"] / r["flops_per_img"]
             if "peak_mem_mb" in r:
                 r["mem_vs_masked"] = r["peak_mem_mb"] / ref["peak_mem_mb"]
+        if eager and r["cuda_graph"]:
+            r["speedup_vs_eager_masked"] = eager["step_ms"] / r["step_ms"]
     result = {"command": "python bench.py " + " ".join(sys.argv[1:]), "machine": machine, "args": asdict(a),
               "steps_per_round": steps, "rows": rows, "profiles": profiles}
     with open(a.out, "w") as f:
@@ -286,30 +296,88 @@ def main(a: Args):
     return result
 
 
+def time_group(a, device, bf16, steps, group, model_name, spec, todo):
+    """The rows of one model (or one run's group): every configuration warmed up, then timed in
+    interleaved rounds, then its device work, activations, update cost and peak memory alone."""
+    bs = a.batch_size or (128 if (spec.get("cfg") or preset(model_name)).img_size <= 64 else 256)
+    if a.compile:
+        # dynamo keeps 8 graphs of a function, then runs it eagerly: a group's configurations are
+        # timed in turn, so all of them must stay compiled at once (the group before is done)
+        torch.compiler.reset()
+        torch._dynamo.config.recompile_limit = len(todo) + 8
+    configs = [Config(model_name, m, d, bs, device, bf16, a.compile, split=split, group=group, graph=g, **spec)
+               for m, d, split in todo for g in a.cuda_graph]
+    for c in tqdm(configs, desc=f"{group} warm-up", leave=False, disable=None):
+        c.warm_up(a.warmup)
+    for _ in tqdm(range(a.rounds), desc=f"{group} rounds", leave=False, disable=None):
+        for c in configs:
+            c.timed(steps)
+    profiles = []
+    if a.profile:
+        low = min(c.key["density"] for c in configs)
+        profiles = [top_ops(c, steps) for c in configs if c.key["density"] == low and c.key["method"] in ("masked", "barter")]
+    mine = []
+    for c in configs:
+        r = {**c.key, "batch_size": bs, "step_ms": 1e3 * statistics.median(c.times),
+             "step_ms_min": 1e3 * min(c.times), "step_ms_max": 1e3 * max(c.times),
+             "img_per_s": bs / statistics.median(c.times), "flops_per_img": c.model.flops_per_image(),
+             "density_measured": c.meth.density(), "act_by_op": activation_mb(c)}
+        r["act_mb_per_img"] = sum(r["act_by_op"].values())
+        if device.type == "cuda":
+            r.update(device_work(c, steps))
+        if r["method"] in train.UNIT_METHODS:
+            r["units"] = {k: c.model.counts(k) for k in ("heads", "mlp")}
+        if r["method"] == "barter":
+            update, capture = update_cost(c)
+            r["update_ms"], r["capture_ms"] = 1e3 * update, 1e3 * capture
+            cost = r["update_ms"] + r["capture_ms"]
+            r["update_share"] = cost / (train.Args.update_every * r["step_ms"] + cost)
+        mine.append((r, c.mem_spec))
+    del configs, c  # free them before the memory of each configuration is measured alone
+    if a.memory:
+        for r, mem_spec in tqdm(mine, desc=f"{group} memory", leave=False, disable=None):
+            if device.type == "cuda":
+                r["peak_mem_mb"] = peak_memory(*mem_spec)
+            else:
+                with mp.get_context("spawn").Pool(1) as pool:
+                    r["peak_mem_mb"] = pool.apply(peak_memory, mem_spec)
+    return [r for r, _ in mine], profiles
+
+
 def label(r):
-    """A row's method, and for a run's rows which split: 'barter (end: 17 heads + 374 channels)'."""
+    """A row's method, '(graph)' for a captured step, and for a run's rows which split:
+    'barter (end: 17 heads + 374 channels)'."""
+    name = r["method"] + (" (graph)" if r.get("cuda_graph") else "")
     if "split" not in r:
-        return r["method"]
+        return name
     u = r.get("units")
-    return f"{r['method']} ({r['split']}" + (f": {sum(u['heads'])} heads + {sum(u['mlp'])} channels)" if u else ")")
+    return f"{name} ({r['split']}" + (f": {sum(u['heads'])} heads + {sum(u['mlp'])} channels)" if u else ")")
 
 
 def table(result):
-    m = result["machine"]
+    m, rows = result["machine"], result["rows"]
+    f = lambda r, k, fmt, unit="": format(r[k], fmt) + unit if k in r else "-"
+    has = lambda k: any(k in r for r in rows)
+    upd = lambda r: (f"{r['update_ms'] + r.get('capture_ms', 0):.1f} ({100 * r['update_share']:.2f}%)" if "update_ms" in r else "-")
+    columns = [("model", lambda r: r["model"]), ("method", label), ("density", lambda r: str(r["density"]))]
+    columns += [("step ms (min-max)", lambda r: f"{r['step_ms']:.1f} ({r['step_ms_min']:.1f}-{r['step_ms_max']:.1f})"),
+                ("img/s", lambda r: f"{r['img_per_s']:.0f}")]
+    columns += [("GPU busy ms", lambda r: f(r, "gpu_busy_ms", ".1f")),
+                ("kernels / launches per step", lambda r: f"{f(r, 'kernels_per_step', '.0f')} / {f(r, 'launches_per_step', '.0f')}")] \
+        if has("gpu_busy_ms") else []
+    columns += [("peak MB", lambda r: f(r, "peak_mem_mb", ".0f")), ("act MB/img", lambda r: f"{r['act_mb_per_img']:.2f}"),
+                ("speedup vs masked", lambda r: f(r, "speedup_vs_masked", ".2f", "x"))]
+    columns += [("vs eager masked", lambda r: f(r, "speedup_vs_eager_masked", ".2f", "x"))] if has("speedup_vs_eager_masked") else []
+    columns += [("ideal (FLOPs)", lambda r: f(r, "ideal_speedup", ".2f", "x")), ("memory vs masked", lambda r: f(r, "mem_vs_masked", ".2f")),
+                ("update" + (" + capture" if has("capture_ms") else "") + " ms (share)", upd)]
     lines = [f"{m['device']}, {m['cpu_threads']} threads, torch {m['torch']}, bf16 {m['bf16']}, compile {m['compile']}; "
              f"median over {result['args']['rounds']} interleaved rounds of {result['steps_per_round']} steps (min-max)", "",
-             "| model | method | density | step ms (min-max) | img/s | peak MB | act MB/img | speedup vs masked | ideal (FLOPs) | memory vs masked | update ms (share) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        f = lambda k, fmt, unit="": format(r[k], fmt) + unit if k in r else "-"
-        upd = f"{r['update_ms']:.1f} ({100 * r['update_share']:.2f}%)" if "update_ms" in r else "-"
-        lines.append(f"| {r['model']} | {label(r)} | {r['density']} | {r['step_ms']:.1f} ({r['step_ms_min']:.1f}-{r['step_ms_max']:.1f}) "
-                     f"| {r['img_per_s']:.0f} | {f('peak_mem_mb', '.0f')} | {r['act_mb_per_img']:.2f} | {f('speedup_vs_masked', '.2f', 'x')} | {f('ideal_speedup', '.2f', 'x')} "
-                     f"| {f('mem_vs_masked', '.2f')} | {upd} |")
+             "| " + " | ".join(h for h, _ in columns) + " |", "|---" * len(columns) + "|"]
+    lines += ["| " + " | ".join(fn(r) for _, fn in columns) + " |" for r in rows]
     # what the activation memory consists of, at the lowest density: which op keeps what for backward
-    for model in dict.fromkeys(r["model"] for r in result["rows"]):
-        low = min(r["density"] for r in result["rows"] if r["model"] == model)
-        cols = [r for r in result["rows"] if r["model"] == model and r["density"] == low]
+    for model in dict.fromkeys(r["model"] for r in rows):  # (a captured step keeps what the eager one keeps)
+        low = min(r["density"] for r in rows if r["model"] == model)
+        cols = [r for r in rows if r["model"] == model and r["density"] == low and r.get("cuda_graph") == rows[0].get("cuda_graph")]
         most = {op: max(r["act_by_op"].get(op, 0) for r in cols) for r in cols for op in r["act_by_op"]}
         ops = sorted((op for op in most if most[op] >= 0.005), key=lambda op: -most[op])  # 0.00 everywhere: left out
         lines += ["", f"{model}, density {low}: MB per image that autograd keeps for backward, by op", "",

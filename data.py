@@ -135,30 +135,42 @@ class TensorLoader:
         return n // self.batch_size if self.train else -(-n // self.batch_size)
 
     def epoch(self, epoch, start=0):
-        """Yield (images, labels) of one epoch, from batch `start` on."""
+        """Yield (images, labels) of one epoch, from batch `start` on. The batches' indices and
+        augmentation draws are made on the host at the start and moved to the device in one copy each,
+        so that no batch waits on a copy from the host."""
         n, B = len(self.x), self.batch_size
         order = torch.arange(n)
         if self.train:
             order = torch.randperm(n, generator=torch.Generator().manual_seed(epoch_seed(self.seed, epoch)))
+        ids, draws = [], []
         for b in range(start, len(self)):
             whole = order[b * B:(b + 1) * B]
             part = torch.arange(len(whole)).tensor_split(self.world)[self.rank]  # this rank's slice
             if len(part) == 0:  # the last evaluation batch may hold fewer images than ranks
                 continue
-            idx = whole[part].to(self.device)
+            ids.append(whole[part])
+            if self.train and self.aug:  # drawn for the whole batch, then this rank's share
+                g = torch.Generator().manual_seed(epoch_seed(self.seed, epoch) * 100003 + b)
+                shift = torch.randint(0, 9, (2, len(whole)), generator=g)
+                flip = torch.rand(len(whole), generator=g) < 0.5
+                draws.append(torch.cat([shift, flip[None].long()])[:, part])  # (3, images): dy, dx, flip
+        if not ids:
+            return
+        sizes = [len(i) for i in ids]
+        ids = torch.cat(ids).to(self.device).split(sizes)
+        draws = torch.cat(draws, 1).to(self.device).split(sizes, 1) if draws else [None] * len(ids)
+        for idx, d in zip(ids, draws):
             x = self.x[idx].float().div_(255)
             if x.shape[-2:] != (self.img_size, self.img_size):  # to the model's size, on the device
                 x = F.interpolate(x, size=(self.img_size, self.img_size), mode="bilinear", antialias=True)
-            if self.train and self.aug:
-                g = torch.Generator().manual_seed(epoch_seed(self.seed, epoch) * 100003 + b)
-                x = self.augment(x, g, len(whole), part)
+            if d is not None:
+                x = self.augment(x, d)
             yield (x - self.mean) / self.std, self.y[idx]
 
-    def augment(self, x, g, n, part):
-        """Random crop and flip of images `part` of a batch of n (the draws are made for all n)."""
+    def augment(self, x, d):
+        """Random crop (4 px padding) by the draws d[0], d[1] and horizontal flip where d[2] is 1."""
         B, C, H, W = x.shape
-        dy, dx = torch.randint(0, 9, (2, n), generator=g)[:, part].to(x.device)
-        flip = (torch.rand(n, generator=g) < 0.5)[part].to(x.device) & self.flip
+        dy, dx, flip = d[0], d[1], d[2].bool() & self.flip
         xp = F.pad(x, (4, 4, 4, 4))
         rows = (dy[:, None] + torch.arange(H, device=x.device))[:, None, :, None]
         cols = (dx[:, None] + torch.arange(W, device=x.device))[:, None, None, :]

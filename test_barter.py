@@ -645,9 +645,9 @@ def run(method, steps=40, frac=0.3, seed=0, update_every=8, ema_decay=None, grow
     ema = train.EMA(m, ema_decay) if ema_decay else None  # as train.train wires it: meth.shadow is its dict
     meth.shadow = ema.shadow if ema else None
     x, y = batch(64, seed=5, dtype=torch.float32)
-    losses, recs = [], []
+    losses, recs, step = [], [], train.Stepper(m, meth, opt, train.nullcontext(), clip=1.0)
     for t in range(1, steps + 1):
-        loss, rec = train.train_step(m, m, meth, opt, x, y, t, train.nullcontext(), clip=1.0)
+        loss, rec = step(x, y, t)
         if ema:
             ema.update(m, t)
         losses.append(float(loss))
@@ -818,7 +818,8 @@ def test_bidst_logits_get_the_loss_gradient_and_binarize_exactly():
     noise.set_state(meth.gen.get_state())
     opt = train.make_optimizer(m, 1e-3, 0.0)
     x, y = batch()
-    train.train_step(m, m, meth, opt, x, y, 1, train.nullcontext())
+    step = train.Stepper(m, meth, opt, train.nullcontext())
+    step(x, y, 1)
     F.cross_entropy(ref(x), y).backward()
     lr = opt.param_groups[0]["lr"]
     for name in meth.masks:  # dL/ds = (g W - lr g^2) dm~/ds, with the same logistic noise
@@ -833,7 +834,7 @@ def test_bidst_logits_get_the_loss_gradient_and_binarize_exactly():
         for s in meth.logits.values():
             s.add_(torch.randn(s.shape, generator=torch.Generator().manual_seed(1), dtype=s.dtype) * 3)
     for t in (2, 3):
-        rec = train.train_step(m, m, meth, opt, x, y, t, train.nullcontext())[1]
+        rec = step(x, y, t)[1]
     assert rec is not None and rec["moved"]["weights"] > 0
     for name, (mod, attr, p) in meth.masks.items():
         assert int(p.mask.count_nonzero()) == meth.k[name]
@@ -1060,14 +1061,15 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
 
 
 def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
-    real = train.train_step
+    real, steps = train.train_step, []
 
-    def poisoned(model, fwd, method, opt, x, y, t, *rest, **kw):
-        loss, rec = real(model, fwd, method, opt, x, y, t, *rest, **kw)
-        if t > 90:  # in the second epoch
+    def poisoned(model, *args, **kw):
+        loss = real(model, *args, **kw)
+        steps.append(1)
+        if len(steps) > 90:  # in the second epoch
             with torch.no_grad():
                 model.head.weight.fill_(float("nan"))
-        return loss, rec
+        return loss
 
     monkeypatch.setattr(train, "train_step", poisoned)
     a = targs(tmp_path, max_steps=150)
@@ -1093,6 +1095,246 @@ def test_synthetic_data_is_learnable_and_fixed_by_seed():
     assert (pred == yte).float().mean() > 0.5
 
 
+# ---- the step: no host sync inside, captured as one CUDA graph between topology updates ------------
+
+STEP_METHODS = ["barter", "static", "masked", "rigl", "set", "bidst", "dense"]
+
+
+def method_on_micro(method, device="cpu", update_every=8, steps=40, seed=0):
+    m = micro(seed=seed, dtype=torch.float32).to(device)
+    sched = Schedule(total_steps=steps, update_every=update_every, alpha0=0.3, end_frac=0.9)
+    meth = train.make_method(method, m, sched, 0.3, seed=seed)
+    meth.init_model()
+    return m, meth
+
+
+SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
+
+
+def tripwire(monkeypatch):
+    """Make every way a tensor's value reaches the host raise (what would stall a GPU step, and what a
+    captured step cannot do)."""
+    def boom(name):
+        def f(*a, **k):
+            raise AssertionError(f"Tensor.{name} inside the step: a host sync")
+        return f
+    for name in SYNCS:
+        monkeypatch.setattr(torch.Tensor, name, boom(name))
+
+
+@pytest.mark.parametrize("method", STEP_METHODS)
+def test_the_step_makes_no_host_sync(method, monkeypatch):
+    m, meth = method_on_micro(method)
+    opt = train.make_optimizer(m, 1e-3, 0.05, fused=True)  # as on CUDA: the fused kernel, a tensor lr
+    x, y = batch(16, dtype=torch.float32)
+    step = train.Stepper(m, meth, opt, train.nullcontext(), clip=1.0, smoothing=0.1)
+    step(x, y, 1)  # the optimizer state is made at the first step, as before a capture
+    with monkeypatch.context() as mp:
+        tripwire(mp)
+        with pytest.raises(AssertionError, match="host sync"):  # the wire is live
+            bool(torch.ones(()))
+        train.set_lr(opt, 5e-4)
+        loss = train.train_step(m, m, meth, opt, x, y, train.nullcontext(), clip=1.0, smoothing=0.1)
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("method", ["barter", "masked"])
+def test_statistics_buffers_keep_their_storage_and_equal_sums_by_hand(method):
+    m, meth = method_on_micro(method, update_every=1000)
+    opt = train.make_optimizer(m, 1e-3, 0.05)
+    step = train.Stepper(m, meth, opt, train.nullcontext(), clip=1.0)
+    where = [b.data_ptr() for k in ("heads", "mlp") for bufs in (meth.acc[k], meth.acc2[k]) for b in bufs]
+    absum = {k: [torch.zeros(n, dtype=torch.float64) for n in m.counts(k)] for k in ("heads", "mlp")}
+    sqsum = {k: [torch.zeros(n, dtype=torch.float64) for n in m.counts(k)] for k in ("heads", "mlp")}
+    dense = {"heads": CFG.num_heads, "mlp": CFG.mlp_hidden}
+    for t in range(1, 5):
+        x, y = batch(16, seed=t, dtype=torch.float32)
+        # by hand, from the same weights: t_u = sum over the unit's output-side columns of W * dL/dW
+        ref = copy.deepcopy(m)
+        F.cross_entropy(ref(x), y).backward()
+        for i, blk in enumerate(ref.blocks):
+            for kind, (mod, w) in {"heads": (blk.attn.proj, HD), "mlp": (blk.mlp.fc2, 1)}.items():
+                W = leaf(mod, "weight")
+                n = W.shape[1] // w
+                for u in range(n):
+                    cols = slice(u * w, (u + 1) * w)
+                    s = float((W[:, cols].detach().double() * W.grad[:, cols].double()).sum())
+                    absum[kind][i][u] += abs(s)
+                    sqsum[kind][i][u] += s * s
+        step(x, y, t)
+    assert meth.nacc == 4
+    assert [b.data_ptr() for k in ("heads", "mlp") for bufs in (meth.acc[k], meth.acc2[k]) for b in bufs] == where
+    for kind in ("heads", "mlp"):
+        for i in range(3):
+            if method == "masked":  # full-size buffers: the masked units score exactly zero
+                assert len(meth.acc[kind][i]) == dense[kind]
+            torch.testing.assert_close(meth.acc[kind][i].double(), absum[kind][i], rtol=1e-4, atol=1e-9)
+            torch.testing.assert_close(meth.acc2[kind][i].double(), sqsum[kind][i], rtol=1e-4, atol=1e-12)
+
+
+def test_a_tensor_lr_gives_the_parameters_of_the_float_it_holds():
+    lrs = [3e-3 * (t + 1) / 7 for t in range(6)]  # a warmup: the lr changes at every step
+    runs = {}
+    for form in ("tensor", "float"):
+        m, meth = method_on_micro("barter")
+        opt = train.make_optimizer(m, 1e-3, 0.05, fused=True)
+        if form == "float":  # the same optimizer with a Python float, holding the float32 value the tensor holds
+            for g in opt.param_groups:
+                g["lr"] = float(g["lr"])
+        step = train.Stepper(m, meth, opt, train.nullcontext(), clip=1.0)
+        for t, lr in enumerate(lrs, 1):
+            train.set_lr(opt, float(torch.tensor(lr)) if form == "float" else lr)
+            step(*batch(16, seed=t, dtype=torch.float32), t)
+        runs[form] = (m, opt)
+    (a, opt), (b, _) = runs["tensor"], runs["float"]
+    assert torch.is_tensor(opt.param_groups[0]["lr"]) and opt.param_groups[0]["lr"].dim() == 0
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    # a checkpoint of the default CPU optimizer (float lr, no fused kernel) loads into this one and keeps
+    # its tensor lr and kernel; and the other way round
+    m2, _ = method_on_micro("barter")
+    cpu = train.make_optimizer(m2, 1e-3, 0.05)
+    train.load_optimizer(opt, cpu.state_dict())
+    assert torch.is_tensor(opt.param_groups[0]["lr"]) and opt.param_groups[0]["fused"]
+    assert float(opt.param_groups[0]["lr"]) == pytest.approx(1e-3)
+    fresh = train.make_optimizer(a, 1e-3, 0.05)
+    train.load_optimizer(fresh, opt.state_dict())
+    assert not torch.is_tensor(fresh.param_groups[0]["lr"]) and not fresh.param_groups[0]["fused"]
+
+
+def test_patch_linear_equals_the_convolution():
+    g = torch.Generator().manual_seed(0)
+    for C, p, size in ((3, 4, 32), (1, 7, 28), (3, 16, 64)):
+        conv = torch.nn.Conv2d(C, 24, p, p).double()
+        img = torch.randn(5, C, size, size, generator=g, dtype=torch.float64)
+        ref = conv(img).flatten(2).transpose(1, 2)  # (B, N, D), tokens in row-major patch order
+        out = vit.patch_linear(img, conv)
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+        gr = torch.autograd.grad(ref.square().sum(), conv.weight)[0]
+        go = torch.autograd.grad(out.square().sum(), conv.weight)[0]
+        torch.testing.assert_close(go, gr, rtol=1e-12, atol=1e-12)
+
+
+class StandInGraph:
+    """train.Graph's interface on the CPU: capture keeps the function without running it, replay runs it,
+    release forgets it (a replay after a release fails, as a freed graph must not run)."""
+
+    def __init__(self, model):
+        self.model, self.fn, self.captured_at, self.replays = model, None, [], 0
+        self.side_stream = train.nullcontext
+
+    def capture(self, fn):
+        self.fn = fn
+        self.captured_at.append([tuple(p.shape) for p in self.model.parameters()])
+
+    def replay(self):
+        self.replays += 1
+        return self.fn()
+
+    def release(self):
+        self.fn = None
+
+
+@pytest.mark.parametrize("method", ["barter", "masked"])
+def test_capture_once_per_topology_and_update_steps_eager(method):
+    steps, every = 36, 8  # updates at 8, 16, 24, 32 (end_frac 0.9)
+    runs = {}
+    for mode in ("eager", "graph"):
+        m, meth = method_on_micro(method, update_every=every, steps=steps)
+        opt = train.make_optimizer(m, 2e-3, 0.05)
+        graph = StandInGraph(m) if mode == "graph" else None
+        step = train.Stepper(m, meth, opt, train.nullcontext(), clip=1.0, graph=graph)
+        eager, recs = [], []
+        for t in range(1, steps + 1):
+            before = graph.replays if graph else 0
+            loss, rec = step(*batch(16, seed=t, dtype=torch.float32), t)
+            eager.append(graph is None or graph.replays == before)
+            recs += [rec["counts"]] if rec else []
+        runs[mode] = (m, meth, graph, eager, recs, step)
+    (me, _, _, _, re, _), (mg, meth, graph, eager, rg, step) = runs["eager"], runs["graph"]
+    assert re == rg and len(rg) == 4  # the same topology decisions
+    assert all(torch.equal(p, q) for p, q in zip(me.parameters(), mg.parameters()))
+    updates = [t for t in range(1, steps + 1) if meth.updates_at(t)]
+    W = train.Stepper.WARMUP
+    # eager: every update step, and the warm-up steps at the start and after each update; the rest replayed
+    expect = set(updates) | {u + k for u in [0] + updates for k in range(1, W + 1)}
+    assert {t for t, e in enumerate(eager, 1) if e} == expect
+    assert step.captures == len(graph.captured_at) == len(updates) + 1  # once per topology
+    if method == "barter":  # the graph was captured on the shapes of its interval
+        assert len({tuple(s) for s in graph.captured_at}) > 1
+
+
+def test_a_batch_of_another_shape_is_captured_anew():
+    m, meth = method_on_micro("barter", update_every=1000)
+    graph = StandInGraph(m)
+    step = train.Stepper(m, meth, train.make_optimizer(m, 1e-3, 0.05), train.nullcontext(), graph=graph)
+    sizes = [16] * 5 + [8] * 5
+    for t, n in enumerate(sizes, 1):
+        step(*batch(n, seed=t, dtype=torch.float32), t)
+    # each shape: 2 eager warm-up steps, then a capture and 3 replays (the capture step's included)
+    assert step.captures == 2 and graph.replays == 6 and train.Stepper.WARMUP == 2
+    assert meth.nacc == len(sizes)
+
+
+def test_cuda_graph_without_a_gpu_is_one_clear_line(tmp_path):
+    r = subprocess.run([sys.executable, "train.py", "--cuda-graph", "--data", "synthetic", "--model", "micro",
+                        "--device", "cpu", "--out-dir", str(tmp_path / "run")], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--cuda-graph needs a CUDA device" in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (.ci/gpu runs these)")
+
+
+@cuda_only
+def test_cuda_captured_run_equals_the_eager_run(tmp_path):
+    a = targs(tmp_path, device="cuda", bf16=False, max_steps=36, update_every=10, dense_frac=0.1)
+    eager, _, _ = train.main(a)
+    graph, _, _ = train.main(replace(a, cuda_graph=True, out_dir=str(tmp_path / "graph")))
+    ups = lambda d: [r["counts"] for r in read_log(d) if r["type"] == "update"]
+    assert len(ups(a.out_dir)) == 3 and ups(a.out_dir) == ups(str(tmp_path / "graph"))
+    for p, q in zip(eager.parameters(), graph.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+
+
+@cuda_only
+def test_cuda_reserved_memory_stays_flat_over_captures():
+    torch.manual_seed(0)
+    m = ViT(PRESETS["cifar-tiny"]).cuda()
+    meth = train.make_method("barter", m, Schedule(total_steps=60, update_every=6, end_frac=1.0), 0.1)
+    meth.init_model()
+    step = train.Stepper(m, meth, train.make_optimizer(m, 1e-3, 0.05), train.autocast(torch.device("cuda"), True),
+                         clip=1.0, graph=train.Graph())
+    x, y = torch.randn(32, 3, 32, 32, device="cuda"), torch.randint(0, 10, (32,), device="cuda")
+    reserved = []
+    for t in range(1, 37):
+        before = step.captures
+        step(x, y, t)
+        if step.captures > before:
+            torch.cuda.synchronize()
+            reserved.append(torch.cuda.memory_reserved())
+    assert len(reserved) >= 5
+    assert max(reserved[1:]) <= reserved[1] * 1.05 + 2**21, [r / 2**20 for r in reserved]
+
+
+@cuda_only
+def test_cuda_step_is_clean_under_sync_debug_mode():
+    m, meth = method_on_micro("barter", device="cuda", update_every=1000)
+    opt = train.make_optimizer(m, 1e-3, 0.05)
+    step = train.Stepper(m, meth, opt, train.autocast(torch.device("cuda"), True), clip=1.0, graph=train.Graph())
+    x, y = (t.cuda() for t in batch(16, dtype=torch.float32))
+    for t in range(1, train.Stepper.WARMUP + 2):  # warm-up, then the capture
+        step(x, y, t)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        train.set_lr(opt, 5e-4)
+        step(x, y, train.Stepper.WARMUP + 2)  # a replay
+        train.train_step(m, m, meth, opt, x, y, train.autocast(torch.device("cuda"), True), clip=1.0)  # eager
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert step.captures == 1 and meth.nacc == train.Stepper.WARMUP + 2
+
+
 # ---- issue 5: bench.py -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -1100,18 +1342,26 @@ def test_bench_smoke_writes_every_field(tmp_path, device):
     import bench
 
     out = tmp_path / "bench.json"
+    modes = (False, True) if device == "cuda" else (False,)  # eager and captured steps, interleaved
     res = bench.main(bench.Args(models=("micro",), densities=(0.3,), steps=1, rounds=2, warmup=1,
-                                device=device, profile=True, out=str(out)))
+                                device=device, profile=True, cuda_graph=modes, out=str(out)))
     saved = json.loads(out.read_text())
-    assert saved["rows"] == json.loads(json.dumps(res["rows"]))
-    assert {r["method"] for r in saved["rows"]} == {"dense", "masked", "rigl", "barter"}
-    common = {"model", "method", "density", "batch_size", "step_ms", "step_ms_min", "step_ms_max",
+    assert saved["rows"] == json.loads(json.dumps(res["rows"])) and saved["machine"]["cuda_graph"] == list(modes)
+    assert {r["method"] for r in saved["rows"]} == {"dense", "masked", "rigl", "barter"} and len(saved["rows"]) == 4 * len(modes)
+    common = {"model", "method", "density", "cuda_graph", "batch_size", "step_ms", "step_ms_min", "step_ms_max",
               "img_per_s", "flops_per_img", "density_measured", "peak_mem_mb", "act_mb_per_img", "act_by_op"}
+    if device == "cuda":  # what the host launched per step (and, where the profiler sees them, kernels and GPU time)
+        common |= {"launches_per_step"}
     for r in saved["rows"]:
         assert common <= set(r), common - set(r)
         assert r["step_ms_min"] <= r["step_ms"] <= r["step_ms_max"] and r["peak_mem_mb"] > 0
         if r["method"] != "dense":
             assert {"speedup_vs_masked", "ideal_speedup", "mem_vs_masked"} <= set(r)
+        if device == "cuda" and not r["cuda_graph"]:
+            assert r["kernels_per_step"] > 10 and r["gpu_busy_ms"] > 0 and r["launches_per_step"] > 10
+        if r["cuda_graph"]:  # a replay is one launch; its update cost counts the capture again
+            assert r["launches_per_step"] <= 2 and "speedup_vs_eager_masked" in r
+            assert r["method"] != "barter" or r["capture_ms"] >= 0
     barter = next(r for r in saved["rows"] if r["method"] == "barter")
     assert 0 < barter["update_share"] < 1 and barter["update_ms"] > 0
     # the ideal speedup is computed from the actual unit counts (4 heads, 58 channels at d = 0.3)
@@ -1122,7 +1372,8 @@ def test_bench_smoke_writes_every_field(tmp_path, device):
     assert barter["ideal_speedup"] == pytest.approx(flops(12, 192) / flops(4, 58))
     assert "| micro | barter | 0.3 |" in bench.table(saved)
     assert "micro, density 0.3: MB per image that autograd keeps for backward" in bench.table(saved)
-    assert [p.split(",")[0] for p in saved["profiles"]] == ["micro masked d=0.3", "micro barter d=0.3"]
+    assert [p.split(",")[0] for p in saved["profiles"]] == [f"micro {m}{' (graph)' if g else ''} d=0.3"
+                                                           for m in ("masked", "barter") for g in modes]
     assert all("aten::" in p for p in saved["profiles"])
     import plot  # the bench figure, with the memory panel drawn
 

@@ -112,6 +112,11 @@ class Args:
     """torch.compile the model; the step after each topology update that changes a shape compiles again
     (15-29 s each for cifar-tiny on a 2-core CPU: it pays only when updates are far apart; README,
     "Training", and BENCHMARKS.md)"""
+    cuda_graph: bool = False
+    """capture the training step (forward, backward, statistics, clipping, AdamW) as one CUDA graph and replay
+    it, so that Python's kernel launches no longer bound a compact model's step; a step that updates the
+    topology runs eagerly and the step is captured again after it. CUDA only, one process (under torchrun
+    the step runs eagerly). Not yet the default: its CUDA tests have not run on a GPU"""
     workers: int = 8
     """DataLoader workers, for --data folder only"""
     out_dir: Optional[str] = None
@@ -144,7 +149,7 @@ def derived(args):
 
 
 # arguments that may differ between a run and its resumption
-RESUMABLE_CHANGES = {"max_steps", "device", "compile", "workers", "out_dir", "resume", "data_dir", "eval_only"}
+RESUMABLE_CHANGES = {"max_steps", "device", "compile", "cuda_graph", "workers", "out_dir", "resume", "data_dir", "eval_only"}
 
 
 class ArgError(ValueError):
@@ -230,6 +235,11 @@ def validate(args):
         need(dev.type == "cpu" or (dev.type == "cuda" and torch.cuda.is_available()
                                    and (dev.index or 0) < torch.cuda.device_count()),
              f"--device {args.device} is not available here")
+    if args.cuda_graph:
+        need(pick_device(args.device).type == "cuda", f"--cuda-graph needs a CUDA device; this run would be on "
+             f"{pick_device(args.device)} (leave --cuda-graph off there)")
+        need(not args.compile, "--cuda-graph and --compile: pick one (torch.compile's mode='reduce-overhead' "
+             "captures CUDA graphs of its own)")
 
 
 def check_img_size(img_size, cfg):
@@ -288,15 +298,39 @@ def make_method(name, model, schedule, dense_frac, head_frac=None, mlp_frac=None
     return Dense(model)
 
 
-def make_optimizer(model, lr, weight_decay):
+def make_optimizer(model, lr, weight_decay, fused=None):
+    """AdamW, weight decay on matrices only. On CUDA the fused kernel, capturable, with the lr held in a
+    0-dim device tensor: a compact model's step is short enough that the default's many launches show,
+    and a captured step (Stepper) must read the lr from memory that is filled before each replay. On
+    the CPU a float lr and torch's default kernels, as ever, so CPU runs repeat bit for bit.
+    fused=True asks for the fused kernel and the tensor lr on any device (tests)."""
     decay, no_decay = [], []
     for n, p in model.named_parameters():
         (decay if p.ndim >= 2 and n not in ("pos_embed", "cls_token") else no_decay).append(p)
-    # on CUDA one fused kernel: a compact model's step is short enough that the default's many
-    # launches show (H200, deit-small at d = 0.1: AdamW was 3.5 of barter's 26 ms of GPU time a step)
-    fused = next(model.parameters()).device.type == "cuda"
+    dev = next(model.parameters()).device
+    fused = dev.type == "cuda" if fused is None else fused
+    kw = dict(fused=True, capturable=dev.type == "cuda", lr=torch.tensor(float(lr), device=dev)) if fused else dict(lr=lr)
     return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.999), fused=fused)
+                              {"params": no_decay, "weight_decay": 0.0}], betas=(0.9, 0.999), **kw)
+
+
+def set_lr(opt, lr):
+    """Every group's lr: filled in place where it is a tensor (no host sync, and a captured step sees it)."""
+    for g in opt.param_groups:
+        if torch.is_tensor(g["lr"]):
+            g["lr"].fill_(lr)
+        else:
+            g["lr"] = lr
+
+
+def load_optimizer(opt, sd):
+    """opt.load_state_dict, keeping this optimizer's kernel choice and the form of its lr (a checkpoint may
+    come from another device; torch takes both from the file, and places the step counts by them)."""
+    own = ("fused", "capturable", "foreach")
+    groups = [{**saved, **{k: g[k] for k in own},
+               "lr": g["lr"].clone().fill_(float(saved["lr"])) if torch.is_tensor(g["lr"]) else float(saved["lr"])}
+              for saved, g in zip(sd["param_groups"], opt.param_groups)]
+    opt.load_state_dict({**sd, "param_groups": groups})
 
 
 class EMA:
@@ -342,18 +376,101 @@ class EMA:
         self.shadow.update(new)
 
 
-def train_step(model, fwd, method, opt, x, y, t, amp, clip=0.0, smoothing=0.0):
-    """One optimizer step t (1-based) with the method's hooks around it. Returns (loss, update record)."""
-    method.before_forward(t)
+def train_step(model, fwd, method, opt, x, y, amp, clip=0.0, smoothing=0.0):
+    """Forward, backward, the method's statistics, clipping and the optimizer step: device work only, no
+    host sync and no tensor made from host values, so that it can be captured as one CUDA graph.
+    Returns the loss (a device tensor)."""
     with amp:
         loss = F.cross_entropy(fwd(x), y, label_smoothing=smoothing)
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    method.after_backward(opt, t)  # statistics come from this step's gradients, before clipping
+    method.after_backward(opt)  # statistics come from this step's gradients, before clipping
     if clip:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # scales by min(1, clip / norm) on the device
     opt.step()
-    return loss.detach(), method.after_step(opt, t)
+    return loss.detach()
+
+
+class Graph:
+    """torch.cuda.CUDAGraph as the Stepper uses it (the tests hand it a stand-in with the same methods).
+    capture(fn) records fn's kernels without running them and keeps fn's output, whose memory every
+    replay() refills. All captures draw on one memory pool and the graph before is freed first, so a
+    run that captures again after every update does not grow its reserved memory. Warm-up and capture
+    share one side stream, as PyTorch's docs on whole-network capture ask."""
+
+    def __init__(self):
+        self.pool, self.stream, self.graph, self.out = torch.cuda.graph_pool_handle(), torch.cuda.Stream(), None, None
+
+    @contextmanager
+    def side_stream(self):
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            yield
+        torch.cuda.current_stream().wait_stream(self.stream)
+
+    def capture(self, fn):
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=self.pool, stream=self.stream):
+            self.out = fn()
+
+    def replay(self):
+        self.graph.replay()
+        return self.out
+
+    def release(self):
+        self.graph = self.out = None
+
+
+class Stepper:
+    """Runs step t of a run: train_step, then the method's host-side after_step (its step count, and the
+    topology update when one is due). With a graph (Graph, on CUDA), steps between updates replay one
+    captured train_step on static input buffers: a few eager warm-up steps on the graph's stream, then a
+    capture, then a replay per step. A step that updates the topology runs eagerly and releases the
+    graph: it changes the tensors (shapes, statistics buffers) the graph was captured with, so the
+    next steps warm up and capture again. `fwd` is what the step calls: the model, its DDP wrapper or
+    its compiled form (set again by the caller after an update)."""
+
+    WARMUP = 2  # eager steps before each capture
+
+    def __init__(self, model, method, opt, amp, clip=0.0, smoothing=0.0, graph=None):
+        self.model, self.fwd, self.method, self.opt, self.amp = model, model, method, opt, amp
+        self.clip, self.smoothing, self.graph = clip, smoothing, graph
+        self.warm, self.captured, self.captures, self.x, self.y = 0, False, 0, None, None
+
+    def step(self, x, y):
+        return train_step(self.model, self.fwd, self.method, self.opt, x, y, self.amp, self.clip, self.smoothing)
+
+    def release(self):
+        if self.graph is not None:
+            self.graph.release()
+        self.warm, self.captured = 0, False
+
+    def __call__(self, x, y, t):
+        """(loss, update record or None). The loss is a device tensor; a replayed step's is refilled by
+        the next replay, so read or add it before the next step."""
+        g = self.graph
+        if g is None or self.method.updates_at(t):
+            self.release()
+            self.method.before_forward(t)
+            loss = self.step(x, y)
+        else:
+            if self.captured and x.shape != self.x.shape:  # a batch of another shape: capture anew
+                self.release()
+            if self.captured:
+                self.x.copy_(x)
+                self.y.copy_(y)
+                loss = g.replay()
+            elif self.warm < self.WARMUP:
+                with g.side_stream():
+                    loss = self.step(x, y)
+                self.warm += 1
+            else:
+                self.x, self.y = x.clone(), y.clone()  # the static input buffers
+                self.opt.zero_grad(set_to_none=True)  # the graph's own gradients are made in its pool
+                g.capture(lambda: self.step(self.x, self.y))
+                self.captured, self.captures = True, self.captures + 1
+                loss = g.replay()
+        return loss, self.method.after_step(self.opt, t)
 
 
 def bf16_supported(device):
@@ -361,7 +478,9 @@ def bf16_supported(device):
 
 
 def autocast(device, bf16):
-    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+    # no cast cache: PyTorch's CUDA-graph notes ask for it off where a step is captured (a cached cast
+    # would outlive the capture that made it); every weight is cast once per forward here, so it saves nothing
+    return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False) if bf16 else nullcontext()
 
 
 def sync(device):
@@ -394,11 +513,12 @@ def evaluate(fwd, loader, amp, ranks=None):
     """Top-1 on the loader's images (under torchrun each rank counts its share)."""
     was = fwd.training
     fwd.eval()
-    correct = total = 0
+    correct, total = 0, 0  # counted on the device: one read at the end, not one sync per batch
     for x, y in loader.epoch(0):
         with amp:
-            correct += int((fwd(x).argmax(1) == y).sum())
+            correct = correct + (fwd(x).argmax(1) == y).sum()
         total += len(y)
+    correct = int(correct)
     fwd.train(was)
     if ranks is not None:
         correct, total = ranks.reduce(correct), ranks.reduce(total)
@@ -707,13 +827,18 @@ def train(args, ranks):
     step = 0
     if ckpt:
         model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
+        load_optimizer(opt, ckpt["optimizer"])
         if ema:
             ema.load_state_dict(model, ckpt["ema"])
         method.load_state_dict(ckpt["method"])
         torch.set_rng_state(ckpt["rng"]["torch"])
+        if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:  # bidst's noise on CUDA
+            torch.cuda.set_rng_state(ckpt["rng"]["cuda"], device)
         step = ckpt["step"]
     fwd = ranks.wrap(model, args.compile)
+    graphs = args.cuda_graph and ranks.world == 1  # under DDP the step runs eagerly (said in the first line)
+    stepper = Stepper(model, method, opt, amp, args.clip_grad, args.label_smoothing, Graph() if graphs else None)
+    stepper.fwd = fwd
     env = environment(device)
     end = min(total, args.max_steps or total)
     warm = args.warmup_epochs * spe
@@ -726,7 +851,8 @@ def train(args, ranks):
             save_checkpoint(os.path.join(out, "checkpoint.pt"), args=asdict(args), cfg=asdict(cfg),
                             heads=model.counts("heads"), mlp=model.counts("mlp"), model=model.state_dict(),
                             optimizer=opt.state_dict(), method=method.state_dict(), step=step,
-                            ema=ema.state_dict(model) if ema else None, rng={"torch": torch.get_rng_state()}, env=env)
+                            ema=ema.state_dict(model) if ema else None, env=env,
+                            rng={"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None})
 
     # everything that can fail on bad input has run: only now does the run get its folder
     log_path = os.path.join(out, "log.jsonl")
@@ -750,7 +876,9 @@ def train(args, ranks):
     counts = {}
     print(f"{args.method} d={args.dense_frac} {args.pretrained or args.model} on {args.data} ({device}"
           f"{f', {ranks.world} ranks' if ranks.world > 1 else ''}): {sum(p.numel() for p in model.parameters()):,} "
-          f"parameters, density {method.density():.4f}, {spe} steps/epoch, {total} steps" + (f", resumed at step {step}" if ckpt else ""))
+          f"parameters, density {method.density():.4f}, {spe} steps/epoch, {total} steps" + (f", resumed at step {step}" if ckpt else "")
+          + (", the step captured as a CUDA graph" if graphs else "; --cuda-graph: under torchrun the step runs eagerly"
+             if args.cuda_graph else ""))
     was = (ckpt or {}).get("env") or env  # checkpoints from before the record have none
     changed = [f"{k} {v} (the run had {was.get(k)})" for k, v in env.items() if was.get(k) != v]
     if changed:
@@ -774,9 +902,8 @@ def train(args, ranks):
                        leave=False, disable=None if ranks.main else True)
             for x, y in train_dl.epoch(epoch, first):
                 step += 1
-                for g in opt.param_groups:
-                    g["lr"] = lr_at(step)
-                loss, rec = train_step(model, fwd, method, opt, x, y, step, amp, args.clip_grad, args.label_smoothing)
+                set_lr(opt, lr_at(step))
+                loss, rec = stepper(x, y, step)
                 if ema:  # after the update: the average was resized or masked with the model
                     ema.update(model, step)
                 loss_sum += loss
@@ -785,7 +912,7 @@ def train(args, ranks):
                 bar.update(1)
                 if rec is not None:
                     ranks.check_lockstep(rec["counts"], step)
-                    fwd = ranks.wrap(model, args.compile)
+                    stepper.fwd = fwd = ranks.wrap(model, args.compile)
                     tqdm.write(f"[{args.method}] " + show_counts(rec, counts))
                     counts = rec["counts"]
                     log.write(json.dumps({"type": "update", **rec}) + "\n")

@@ -52,6 +52,7 @@ PRESETS = {
     "deit-tiny": ViTConfig(img_size=224, patch_size=16, num_classes=1000, dim=192, depth=12, num_heads=3),
     "deit-small": ViTConfig(img_size=224, patch_size=16, num_classes=1000, dim=384, depth=12, num_heads=6),
     "deit-base": ViTConfig(img_size=224, patch_size=16, num_classes=1000, dim=768, depth=12, num_heads=12),
+    "vit-large": ViTConfig(img_size=224, patch_size=16, num_classes=1000, dim=1024, depth=24, num_heads=16),
 }
 
 
@@ -98,6 +99,17 @@ def norm_linear(x, norm, W, b):
 # bf16 GEMMs whose width is not a multiple of 8 take a slow path on CUDA (an H200 ran fc1 at 153
 # channels 6x slower than at 152, .ci/gpu's width probe), and BARTER's MLP widths are any integer
 GEMM_MULTIPLE = {"cuda": 8}
+
+
+def patch_linear(img, conv):
+    """conv(img) for a convolution whose stride is its kernel (the patch embedding), as (B, N, D) tokens:
+    the image cut into patches by a reshape, then one linear with the conv's own weight (D, C, p, p) read
+    as (D, C*p*p). One matrix multiply instead of a strided convolution, for every method alike; the
+    parameter and the checkpoints stay those of the nn.Conv2d."""
+    B, C, H, W = img.shape
+    p = conv.kernel_size[0]
+    x = img.reshape(B, C, H // p, p, W // p, p).permute(0, 2, 4, 1, 3, 5).reshape(B, (H // p) * (W // p), C * p * p)
+    return F.linear(x, conv.weight.reshape(conv.out_channels, -1), conv.bias)
 
 
 class Attention(nn.Module):
@@ -214,7 +226,7 @@ class ViT(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def trunk(self, img):
-        x = self.patch_embed(img).flatten(2).transpose(1, 2)  # (B, N, D)
+        x = patch_linear(img, self.patch_embed)  # (B, N, D)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
         for blk in self.blocks:
             x = blk(x)
