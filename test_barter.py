@@ -864,7 +864,7 @@ def test_main_smoke_every_method(tmp_path, method):
         assert key in ep[-1] and ep[-1][key] == ep[-1][key]
     ups = [r for r in log if r["type"] == "update"]
     assert len(ups) == (0 if method in ("dense", "static") else 2)
-    ck = torch.load(os.path.join(a.out_dir, "checkpoint.pt"), weights_only=False)
+    ck = torch.load(os.path.join(a.out_dir, "checkpoint.pt"), weights_only=True)
     assert ck["step"] == 22 and ck["format"] == train.CKPT_FORMAT
 
 
@@ -932,7 +932,7 @@ def test_resume_is_exact(tmp_path, method):
     m1, _, _ = train.main(whole)
     part = targs(tmp_path, method=method, max_steps=45, ema_decay=0.9, out_dir=str(tmp_path / "part"))
     train.main(part)
-    ck = torch.load(os.path.join(part.out_dir, "checkpoint.pt"), weights_only=False)
+    ck = torch.load(os.path.join(part.out_dir, "checkpoint.pt"), weights_only=True)
     if method == "barter":  # the checkpoint holds resized blocks, not the uniform start
         assert ck["heads"] != [2, 1, 1] or ck["mlp"] != [20, 19, 19]
     m2, _, _ = train.main(replace(part, max_steps=100, resume=os.path.join(part.out_dir, "checkpoint.pt")))
@@ -941,7 +941,7 @@ def test_resume_is_exact(tmp_path, method):
     assert s1.keys() == s2.keys()
     for k in s1:
         assert torch.equal(s1[k], s2[k]), k
-    e1, e2 = (torch.load(os.path.join(a.out_dir, "checkpoint.pt"), weights_only=False)["ema"] for a in (whole, part))
+    e1, e2 = (torch.load(os.path.join(a.out_dir, "checkpoint.pt"), weights_only=True)["ema"] for a in (whole, part))
     assert e1.keys() == s1.keys() and all(torch.equal(e1[k], e2[k]) for k in e1)
     ups = [r["step"] for r in read_log(part.out_dir) if r["type"] == "update"]
     assert ups == [10, 20, 30, 40, 50, 60, 70, 80, 90, 100]
@@ -952,7 +952,7 @@ def test_masked_checkpoint_from_before_its_grow_option_resumes(tmp_path):
     a = targs(tmp_path, method="masked", max_steps=5)
     train.main(a)
     path = os.path.join(a.out_dir, "checkpoint.pt")
-    ck = torch.load(path, weights_only=False)
+    ck = torch.load(path, weights_only=True)
     assert ck["args"]["grow"] == "gradient"
     ck["args"]["grow"] = "clone"
     torch.save(ck, path)
@@ -968,7 +968,7 @@ def test_run_records_its_environment_and_a_resume_under_another_says_so(tmp_path
     a = targs(tmp_path, max_steps=5)
     train.main(a)
     start = read_log(a.out_dir)[0]
-    ck = torch.load(os.path.join(a.out_dir, "checkpoint.pt"), weights_only=False)
+    ck = torch.load(os.path.join(a.out_dir, "checkpoint.pt"), weights_only=True)
     n = torch.get_num_threads()
     assert start["env"] == ck["env"] == {"device": platform.processor() or "cpu", "cpu_threads": n, "torch": torch.__version__}
     resume = replace(a, max_steps=8, resume=os.path.join(a.out_dir, "checkpoint.pt"))
@@ -1056,7 +1056,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     stdout, stderr = p.communicate(timeout=120)
     assert p.returncode == 0, stderr
     assert "interrupted: checkpoint at step" in stdout
-    ck = torch.load(out / "checkpoint.pt", weights_only=False)
+    ck = torch.load(out / "checkpoint.pt", weights_only=True)
     assert ck["step"] > 78  # later than the first epoch's checkpoint: saved on the signal
 
 
@@ -1076,7 +1076,7 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monke
     with pytest.raises(SystemExit) as e:
         train.main(a)
     assert e.value.code == 1
-    ck = torch.load(os.path.join(a.out_dir, "checkpoint.pt"), weights_only=False)
+    ck = torch.load(os.path.join(a.out_dir, "checkpoint.pt"), weights_only=True)
     assert ck["step"] == 78 and torch.isfinite(ck["model"]["head.weight"]).all()
 
 
@@ -1732,7 +1732,7 @@ def test_study_sigterm_stops_every_run_and_resumes(tmp_path, jobs):
     assert not (out / "static-d0.3-s2").exists()  # queued, never started
     for s in range(jobs):
         log = read_log(out / f"static-d0.3-s{s}")
-        ck = torch.load(started[s], weights_only=False)
+        ck = torch.load(started[s], weights_only=True)
         assert log[-1]["type"] != "summary" and 10 <= ck["step"] < 80
     if jobs == 2:
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
@@ -1940,6 +1940,63 @@ def test_bad_weight_files_fail_with_one_line(tmp_path):
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr, r.stderr
 
 
+class RunsCode:
+    """What a weights file can hold: unpickling it calls os.system (here: makes a marker file)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_file_that_would_run_code_is_refused_everywhere_and_never_run(tmp_path, monkeypatch):
+    import argparse
+
+    import bench
+
+    marker, evil = tmp_path / "pwned", tmp_path / "evil.pth"
+    torch.save({"model": RunsCode(marker)}, evil)
+    runs_dir = tmp_path / "evil-run"
+    runs_dir.mkdir()
+    torch.save({"format": vit.CKPT_FORMAT, "model": RunsCode(marker)}, runs_dir / "checkpoint.pt")
+    cli = {"--pretrained": ["--pretrained", str(evil), "--data", "synthetic", "--out-dir", str(tmp_path / "run")],
+           "--resume": ["--resume", str(evil), "--data", "synthetic", "--model", "micro", "--out-dir", str(tmp_path / "run")],
+           "--eval-only": ["--eval-only", "--resume", str(evil)]}
+    for flag, argv in cli.items():
+        r = subprocess.run([sys.executable, "train.py", *argv], capture_output=True, text=True, cwd=REPO)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, (flag, r.stderr)
+        assert "refused: it names posix.system" in r.stderr and "vit.convert_trusted" in r.stderr, r.stderr
+    with pytest.raises(vit.WeightsError, match="refused"):
+        vit.load(str(evil))
+    with pytest.raises(SystemExit, match="refused"):
+        bench.main(bench.Args(runs=(str(runs_dir),), memory=False, out=str(tmp_path / "b.json")))
+    assert not marker.exists()  # nothing ran, on any path
+    # a timm-style training checkpoint that pickles its argparse.Namespace: refused, then converted by a
+    # user who trusts it, and read the safe way
+    m = micro(dtype=torch.float32)
+    sd = {k.replace("patch_embed.", "patch_embed.proj."): v for k, v in m.state_dict().items()}
+    torch.save({"model": sd, "args": argparse.Namespace(lr=1e-3, model="deit")}, tmp_path / "timm.pth")
+    with pytest.raises(vit.WeightsError, match="argparse.Namespace"):
+        vit.load_pretrained(str(tmp_path / "timm.pth"))
+    vit.convert_trusted(str(tmp_path / "timm.pth"), str(tmp_path / "safe.pth"))
+    ours, kind = vit.load_pretrained(str(tmp_path / "safe.pth"), num_heads=4)
+    x = batch(2, dtype=torch.float32)[0]
+    assert kind == "timm" and torch.equal(ours(x), m(x))
+    # checkpoints from before this change held torch's version as a TorchVersion object: they still load
+    # (that str subclass is allowed while reading, nowhere else)
+    a = targs(tmp_path, max_steps=3)
+    train.main(a)
+    path = os.path.join(a.out_dir, "checkpoint.pt")
+    ck = torch.load(path, weights_only=True)
+    assert type(ck["env"]["torch"]) is str  # what is written now is plain
+    ck["env"]["torch"] = torch.__version__
+    torch.save(ck, path)
+    assert vit.read_checkpoint(path)["env"]["torch"] == str(torch.__version__)
+    with pytest.raises(Exception, match="TorchVersion"):
+        torch.load(path, weights_only=True)
+
+
 @pytest.fixture(scope="module")
 def trained_torchvision(tmp_path_factory):
     """A micro-shaped torchvision ViT trained a few hundred steps on the synthetic set, saved as a file."""
@@ -2112,7 +2169,7 @@ def test_two_ranks_equal_one_process(tmp_path, method):
     assert rc == 0, err
     assert "2 ranks" in out and out.count("epoch 1 step 40") == 1  # rank 0 alone prints
     assert updates(tmp_path / "two") == updates(one.out_dir) and len(updates(one.out_dir)) == 4
-    ck = [torch.load(p / "checkpoint.pt", weights_only=False) for p in (tmp_path / "one", tmp_path / "two")]
+    ck = [torch.load(p / "checkpoint.pt", weights_only=True) for p in (tmp_path / "one", tmp_path / "two")]
     assert ck[0]["heads"] == ck[1]["heads"] and ck[0]["mlp"] == ck[1]["mlp"]
     close_weights(ck[1]["model"], ck[0]["model"])
     close_weights(ck[1]["ema"], ck[0]["ema"])  # the average too: resized (or masked) in lockstep on every rank
@@ -2133,7 +2190,7 @@ def test_sigterm_on_one_rank_stops_all_and_resumes(tmp_path):
     os.kill(int(workers[-1]), signal.SIGTERM)  # one rank only, as a scheduler may do
     out, err = p.communicate(timeout=120)
     assert p.returncode == 0, err
-    ck = torch.load(part / "checkpoint.pt", weights_only=False)
+    ck = torch.load(part / "checkpoint.pt", weights_only=True)
     assert 78 < ck["step"] < 234 and ck["step"] % 10 == 0 and f"interrupted: checkpoint at step {ck['step']}" in out
     rc, _, err = torchrun(*DDP_ARGS, "--epochs", "3", "--out-dir", part, "--resume", part / "checkpoint.pt")
     assert rc == 0, err

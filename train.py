@@ -530,7 +530,7 @@ def environment(device):
     same torch, device and CPU thread count: the accuracy protocol's barter run at d = 0.1, seed 0,
     made 0.8622 on one thread and 0.8660 on two, on the same CPU (README, "Training")."""
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-            "cpu_threads": torch.get_num_threads(), "torch": torch.__version__}
+            "cpu_threads": torch.get_num_threads(), "torch": str(torch.__version__)}  # a plain str: checkpoints load with weights_only
 
 
 def save_checkpoint(path, **state):

@@ -13,6 +13,8 @@ A head or channel is a "unit". Its INPUT side (qkv rows / fc1 row) computes it, 
 """
 import math
 import os
+import pickle
+import re
 import warnings
 from dataclasses import dataclass, replace
 
@@ -338,13 +340,55 @@ def from_checkpoint(ckpt, ema=False):
 
 
 def read(path):
-    """torch.load a weights file, or fail with one line."""
+    """torch.load a weights file with weights_only=True, or fail with one line. Unpickling can run code,
+    so no file is read any other way: this project's checkpoints hold only tensors, numbers, strings,
+    lists, tuples and dicts, as torchvision's and timm's weight files do. A file that needs more is
+    refused, never loaded the unsafe way behind the user's back; convert_trusted turns one that the
+    user trusts into a file this reads."""
     if not os.path.isfile(path):
         raise WeightsError(f"{path!r}: no such file")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        # checkpoints written before the environment record was a plain str hold torch's version string
+        # as torch.torch_version.TorchVersion, a str subclass: the one type allowed besides plain data
+        with torch.serialization.safe_globals([torch.torch_version.TorchVersion]):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))  # a class or function unpickling would have to call
+        if not found:
+            raise WeightsError(f"{path!r} is not a readable torch file (UnpicklingError)") from None
+        raise WeightsError(f"{path!r} is refused: it names {found.group(1)}, and loading it could run code. If you trust "
+                           f"it, convert it once: python -c \"import vit; vit.convert_trusted({path!r}, 'weights.pt')\"") from None
     except Exception as e:
         raise WeightsError(f"{path!r} is not a readable torch file ({type(e).__name__})") from None
+
+
+def plain(obj):
+    """obj with every container made a dict, list or tuple and every leaf a tensor, number, string or None
+    (an object with a __dict__, such as argparse.Namespace, becomes the dict of its attributes); what has
+    no plain form is dropped."""
+    if torch.is_tensor(obj):
+        return obj.detach()
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, dict):
+        kept = {k: plain(v) for k, v in obj.items() if isinstance(k, (str, int))}
+        return {k: v for k, v in kept.items() if v is not DROP}
+    if isinstance(obj, (list, tuple)):
+        kept = [v for v in map(plain, obj) if v is not DROP]
+        return kept if isinstance(obj, list) else tuple(kept)
+    return plain(vars(obj)) if hasattr(obj, "__dict__") else DROP
+
+
+DROP = object()
+
+
+def convert_trusted(src, dst):
+    """Read src the unsafe way (it may run code: only for a file you trust) and write what it holds as plain
+    data (see plain) to dst, a file that read() accepts."""
+    obj = plain(torch.load(src, map_location="cpu", weights_only=False))
+    torch.save(obj, dst)
+    read(dst)  # what was written reads back the safe way
+    return dst
 
 
 def read_checkpoint(path):
