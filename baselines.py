@@ -9,8 +9,7 @@ Compute and memory are those of the dense model: that is the cost BARTER avoids.
 
   static  BARTER's compact start (same units, budgets, init), never updated: the control
   masked  structured: head and MLP-channel masks, BARTER's budgets, schedule and prune scores;
-          grows masked units by their dense gradient (--grow random: at random, a structured SET,
-          which like BARTER takes no statistic from a unit that is not there)
+          grows masked units by their dense gradient
   rigl    unstructured per linear layer: drop smallest |W|, grow largest dense |grad|
   set     as rigl, random growth
   bidst   unstructured, mask logits learned through the loss, binarized at mask updates
@@ -23,8 +22,8 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
-from barter import KINDS, Barter, accumulate, all_mean, channels_per_head, choose, round_half_up, taylor_scores, uniform, unit_budgets
-from vit import leaf, per_row
+from barter import Barter, accumulate, all_mean, channels_per_head, choose, round_half_up, taylor_scores, uniform, unit_budgets
+from vit import KINDS, leaf, per_row
 
 
 class Static(Barter):
@@ -66,7 +65,7 @@ class Mask(nn.Module):
 class MaskedMethod:
     """Shared mechanism: masks on (module, attr) pairs, zeroing of weights and optimizer state."""
 
-    shadow = None  # train.py's EMA of the weights ({Parameter: tensor}): masked like the weights
+    shadow = None  # an average of the weights ({Parameter: tensor}, step.EMA): masked like the weights
 
     def __init__(self, model, schedule, seed):
         self.model, self.schedule = model, schedule
@@ -74,7 +73,7 @@ class MaskedMethod:
         self.masks = {}  # name -> Mask parametrization
 
     def updates_at(self, t):
-        """Whether step t ends with a mask update (train.Stepper runs such a step eagerly)."""
+        """Whether step t ends with a mask update (step.Stepper runs such a step eagerly)."""
         return self.schedule.is_update(t)
 
     def add_mask(self, name, mod, attr, mask):
@@ -138,17 +137,14 @@ class MaskedMethod:
 
 class Masked(MaskedMethod):
     name = "masked"
-    grows = ("gradient", "random")  # the ways it may grow (train.py's --grow checks against these)
 
-    def __init__(self, model, schedule, dense_frac=0.1, head_frac=None, mlp_frac=None, seed=0, trade=True,
-                 grow="gradient"):
+    def __init__(self, model, schedule, dense_frac=0.1, head_frac=None, mlp_frac=None, seed=0, budgets="shared"):
         super().__init__(model, schedule, seed)
-        if grow not in self.grows:
-            raise ValueError(f"grow must be one of {self.grows}, got {grow!r}")
-        self.grow = grow
+        if budgets not in ("shared", "separate"):
+            raise ValueError(f"budgets must be 'shared' or 'separate', got {budgets!r}")
         cfg = model.cfg
         self.start, self.lo, self.hi = unit_budgets(cfg, dense_frac, head_frac, mlp_frac)
-        self.rate, self.trade = channels_per_head(cfg), trade
+        self.rate, self.shared = channels_per_head(cfg), budgets == "shared"
         self.weights = self.start["heads"] * self.rate + self.start["mlp"]
         dense = {"heads": cfg.num_heads, "mlp": cfg.mlp_hidden}
         # the same first units as BARTER's compact init: both start from the identical function
@@ -214,7 +210,7 @@ class Masked(MaskedMethod):
                         draw = torch.nn.init.trunc_normal_(torch.empty(W.shape), std=0.02, generator=self.gen)
                         p.fill = draw.to(W.device, W.dtype) * (1 - p.mask)
                 for mod, attr, dim, seg in self.masks_of(i, kind, "out"):
-                    mod.parametrizations[attr][0].capture = self.grow == "gradient"
+                    mod.parametrizations[attr][0].capture = True
 
     @torch.no_grad()
     def after_backward(self, optimizer):
@@ -231,11 +227,8 @@ class Masked(MaskedMethod):
             for i, blk in enumerate(self.model.blocks):
                 n, w, _ = blk.units(kind)
                 (mod, attr, dim, seg), = self.masks_of(i, kind, "out")
-                if self.grow == "gradient":
-                    g = all_mean(mod.parametrizations[attr][0].grad)  # dense gradient of the output side
-                    gs = g.abs().float().sum(1 - dim).view(n, w).sum(1).tolist()
-                else:  # the same draw on every rank: self.gen is seeded alike and drawn alike
-                    gs = torch.rand(n, generator=self.gen).tolist()
+                g = all_mean(mod.parametrizations[attr][0].grad)  # dense gradient of the output side
+                gs = g.abs().float().sum(1 - dim).view(n, w).sum(1).tolist()
                 acc = (all_mean(self.acc[kind][i]) / max(self.nacc, 1)).tolist()
                 acc2 = (all_mean(self.acc2[kind][i]) / max(self.nacc, 1)).tolist()
                 active, fresh = self.active[kind][i].tolist(), self.fresh[kind][i].tolist()
@@ -246,9 +239,9 @@ class Masked(MaskedMethod):
                             squares[kind].append(acc2[u])
                     else:
                         grow[kind].append((gs[u], i, u))
-        # BARTER's choice, trade included, by the same scores; growth by the dense gradient (or the draw)
+        # BARTER's choice, trade included, by the same scores; growth by the dense gradient
         before = {k: self.counts(k) for k in KINDS}
-        sel, net, trade = choose(before, self.lo, self.hi, prune, grow, alpha, self.rate, squares if self.trade else None)
+        sel, net, trade = choose(before, self.lo, self.hi, prune, grow, alpha, self.rate, squares if self.shared else None)
         for kind in KINDS:
             P, G = sel[kind]
             self.fresh[kind] = [torch.zeros_like(a) for a in self.active[kind]]

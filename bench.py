@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 import train
 import vit
+from step import Graph, Stepper, autocast, bf16_supported, make_optimizer, sync
 from barter import Schedule
 from vit import ViT, ViTConfig, preset
 
@@ -77,7 +78,7 @@ def build(model_name, method, density, batch_size, device, seed=0, cfg=None, fra
     meth = train.make_method(method, model, Schedule(total_steps=10**9, update_every=10**9), density, *fracs, seed=seed)
     if split is None:
         meth.init_model()
-    opt = train.make_optimizer(model, 1e-4, 0.05)
+    opt = make_optimizer(model, 1e-4, 0.05)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch_size, cfg.in_chans, cfg.img_size, cfg.img_size, generator=g).to(device)
     y = torch.randint(0, cfg.num_classes, (batch_size,), generator=g).to(device)
@@ -88,7 +89,7 @@ class Config:
     def __init__(self, model_name, method, density, batch_size, device, bf16, compile, cfg=None, fracs=(None, None),
                  split=None, group=None, graph=False):
         """split: None, "start" (BARTER's start, beside a run's end) or a run's {kind: units per block}.
-        graph: the step captured as a CUDA graph and replayed (train.Stepper)."""
+        graph: the step captured as a CUDA graph and replayed (Stepper)."""
         self.key = dict(model=group or model_name, method=method, density=density if method != "dense" else 1.0,
                         cuda_graph=graph)
         if split is not None:
@@ -97,8 +98,8 @@ class Config:
         self.model, self.meth, self.opt, self.x, self.y = build(model_name, method, density, batch_size, device, 0,
                                                                 cfg, fracs, units)
         self.mem_spec = (model_name, method, density, batch_size, str(device), bf16, cfg, fracs, split, graph)  # for peak_memory
-        self.amp = train.autocast(device, bf16)
-        self.step = train.Stepper(self.model, self.meth, self.opt, self.amp, 1.0, 0.1, train.Graph() if graph else None)
+        self.amp = autocast(device, bf16)
+        self.step = Stepper(self.model, self.meth, self.opt, self.amp, 1.0, 0.1, Graph() if graph else None)
         self.step.fwd = torch.compile(self.model) if compile else self.model
         self.device, self.graph, self.t, self.times = device, graph, 0, []
 
@@ -109,13 +110,13 @@ class Config:
 
     def warm_up(self, n):
         """n untimed steps, and with a graph as many more as it takes to have it captured."""
-        self.run(n + (train.Stepper.WARMUP + 1 if self.graph else 0))
+        self.run(n + (Stepper.WARMUP + 1 if self.graph else 0))
 
     def timed(self, n):
-        train.sync(self.device)
+        sync(self.device)
         t0 = time.perf_counter()
         self.run(n)
-        train.sync(self.device)
+        sync(self.device)
         self.times.append((time.perf_counter() - t0) / n)
 
 
@@ -191,7 +192,7 @@ def top_ops(c, steps, rows=12):
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=acts) as prof:
         c.run(steps)
-        train.sync(c.device)
+        sync(c.device)
     table = prof.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=rows)
     return f"{c.key['model']} {label(c.key)} d={c.key['density']}, {steps} steps\n{table}"
 
@@ -204,18 +205,18 @@ def update_cost(c, repeats=3):
     for _ in range(repeats):
         c.run(1)  # fresh statistics, as after a training interval
         sched, c.meth.schedule = c.meth.schedule, Schedule(total_steps=10**6, update_every=1, end_frac=1.0)
-        train.sync(c.device)
+        sync(c.device)
         t0 = time.perf_counter()
         c.meth.update(c.opt, 1)
-        train.sync(c.device)
+        sync(c.device)
         update.append(time.perf_counter() - t0)
         c.meth.schedule = sched
         c.step.release()  # as the Stepper does after an update step: the graph's tensors were replaced
         if c.graph:
-            n = train.Stepper.WARMUP + 1
+            n = Stepper.WARMUP + 1
             t0 = time.perf_counter()
             c.run(n)
-            train.sync(c.device)
+            sync(c.device)
             capture.append(time.perf_counter() - t0 - n * statistics.median(c.times))
     return statistics.median(update), statistics.median(capture) if capture else 0.0
 
@@ -227,7 +228,7 @@ def device_work(c, steps):
     DEV = torch.autograd.DeviceType.CUDA
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
         c.run(steps)
-        train.sync(c.device)
+        sync(c.device)
     ev = prof.events()
     dev = [e for e in ev if e.device_type == DEV]
     kernels = [e for e in dev if not e.name.startswith(("Memcpy", "Memset"))]
@@ -267,7 +268,7 @@ def main(a: Args):
         raise SystemExit(f"error: --cuda-graph True needs a CUDA device (this is {device}) and no --compile")
     steps = a.steps or (10 if device.type == "cuda" else 2)
     models = a.models or (() if a.runs else ("cifar-tiny", "deit-small") if device.type == "cuda" else ("cifar-tiny",))
-    bf16 = a.bf16 if a.bf16 is not None else train.bf16_supported(device)
+    bf16 = a.bf16 if a.bf16 is not None else bf16_supported(device)
     machine = {**train.environment(device), "python": platform.python_version(), "bf16": bf16, "compile": a.compile,
                "cuda_graph": list(a.cuda_graph)}
     # (group, model, spec, [(method, density, split)]), split as Config takes it; dense once per model: it has no density

@@ -21,6 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 import bench  # noqa: E402
+import runlog  # noqa: E402
 import train  # noqa: E402
 
 KINDS = ("heads", "mlp")
@@ -46,14 +47,14 @@ def load_run(path):
         raise PlotError(f"{path} is not a folder")
     if not os.path.isfile(os.path.join(path, "log.jsonl")):
         raise PlotError(f"{path} has no log.jsonl: not a run folder of train.py")
-    recs = train.read_log(path)
+    recs = runlog.read_log(path)
     start = next((r for r in recs if r["type"] == "start"), None)
     if start is None:
         raise PlotError(f"{path}/log.jsonl has no start record: written by an older train.py, or not by train.py")
     a = start["args"]
     label = f"{a['method']} d={a['dense_frac']} s={a['seed']}" if a["method"] != "dense" else f"dense s={a['seed']}"
     return {"path": path, "label": label, "method": a["method"], "start": start, "records": recs,
-            "epochs": train.epoch_records(recs)}
+            "epochs": runlog.epoch_records(recs)}
 
 
 def epoch_positions(epochs):

@@ -25,14 +25,15 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
+import runlog
 import train
 from train import Args as TrainArgs
 
 
 def protocol():
-    """The README's study: Fashion-MNIST (offline from the Debian package), the 28 px preset, a short
-    schedule whose 39 runs fit in about an hour of a 2-core CPU (66 minutes, 86 with the 9 equal-time runs,
-    on a 2-core EPYC; no augmentation: in 3 epochs the crops only slow learning down)."""
+    """The README's study: Fashion-MNIST (offline from the Debian package), the 28 px preset and a short
+    schedule, so that the whole grid runs in about an hour on a 2-core CPU; no augmentation, which in 3
+    epochs only slows learning down."""
     return train.Args(model="tiny-28", data="fashion-mnist", epochs=3, warmup_epochs=1, lr=3e-3, augment=False,
                       update_every=50)
 
@@ -67,13 +68,13 @@ def finished(out):
     """The summary record of a completed run, or None. It carries the run's evaluations as `clock`:
     (training seconds so far, test top-1) after each epoch, the clock counted as the summary counts it."""
     try:
-        recs = train.read_log(out)
+        recs = runlog.read_log(out)
     except FileNotFoundError:
         return None
     done = [r for r in recs if r["type"] == "summary" and r["step"] >= r["total_steps"]]
     if not done:
         return None
-    ep = train.epoch_records(recs)
+    ep = runlog.epoch_records(recs)
     return {**done[-1], "clock": list(zip(itertools.accumulate(r["seconds"] for r in ep), (r["test_top1"] for r in ep)))}
 
 
@@ -94,7 +95,7 @@ def execute(args, threads=None, log_file=None):
                 train.main(args)
     except (Exception, SystemExit) as e:  # one broken run must not end the study
         return f"{type(e).__name__}: {e}"
-    if train.read_log(args.out_dir)[-1]["type"] != "summary":
+    if runlog.read_log(args.out_dir)[-1]["type"] != "summary":
         raise KeyboardInterrupt
     return None
 
@@ -207,10 +208,8 @@ def equal_time_runs(a, results):
                     continue  # not measured yet (or a run failed)
                 ratio = statistics.mean(r["train_seconds"] for r in ref) / statistics.mean(r["train_seconds"] for r in own)
                 # to a hundredth of an epoch, rounded down: at its own mean pace the run gets masked's mean
-                # time and no more (contention moves each run's pace: README). Whole epochs were too coarse:
-                # rounded to the nearest, BARTER took 242 s against masked's 212 on the protocol at d = 0.3;
-                # rounded down, 85% of masked's time at d = 0.5, where an epoch is a fifth of the budget
-                # (EXPERIMENTS.md, "Equal time in fractions of an epoch")
+                # time and no more; whole epochs overrun when rounded to the nearest and waste most of an
+                # epoch when rounded down (docs/ablations.md, "Study protocol")
                 chosen[key] = max(a.train.epochs, math.floor(100 * a.train.epochs * ratio) / 100)
             for seed in a.seeds:
                 name = run_name(m, d, seed, "-eq")
@@ -340,7 +339,7 @@ def curves(a, names):
     out = {}
     for name in names:
         try:
-            out[name] = train.epoch_records(train.read_log(os.path.join(a.out, name)))
+            out[name] = runlog.epoch_records(runlog.read_log(os.path.join(a.out, name)))
         except FileNotFoundError:
             pass
     return out

@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 
 import pytest
@@ -24,11 +25,13 @@ import torch.nn.functional as F
 import barter
 import baselines
 import data
+import runlog
 import train
-from barter import Barter, Schedule, resize, sprout, taylor_scores, unit_budgets
+from barter import Barter, Schedule, taylor_scores, unit_budgets
 from baselines import BiDST, Masked, Unstructured, erk_densities
+from step import EMA, Graph, Stepper, autocast, evaluate, load_optimizer, make_optimizer, set_lr, train_step
 import vit
-from vit import PRESETS, ViT, from_torchvision, leaf
+from vit import PRESETS, ViT, from_torchvision, leaf, resize
 
 REPO = os.path.dirname(os.path.abspath(__file__))  # the CLIs run from here
 CFG = PRESETS["micro"]  # 3 blocks, dim 32, 4 heads of 8, 64 MLP channels
@@ -269,7 +272,7 @@ def test_churn_sets_what_moves_over_the_whole_run():
 
 # ---- issue 2, test 3: optimizer state is remapped with the same indices ------------------------
 
-def trained_micro(make_optimizer=lambda m: train.make_optimizer(m, 1e-3, 0.05)):
+def trained_micro(make_optimizer=lambda m: make_optimizer(m, 1e-3, 0.05)):
     """micro after two optimizer steps (AdamW unless told), so every parameter has state to remap; with
     its batch."""
     m = micro()
@@ -331,7 +334,7 @@ def test_optimizer_state_remap(opt_name):
 
 def test_average_is_the_warmed_up_exponential_average():
     m = micro()
-    ema = train.EMA(m, 0.8)
+    ema = EMA(m, 0.8)
     ref = {n: p.detach().clone() for n, p in m.named_parameters()}
     g = torch.Generator().manual_seed(3)
     for t in range(1, 12):
@@ -351,7 +354,7 @@ def test_average_goes_through_a_resize_like_the_weights():
     +-eps in it (the live weights do), so the average's function is unchanged by a split."""
     m, x = micro(), batch()[0]
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    ema = train.EMA(m, 0.7)
+    ema = EMA(m, 0.7)
     for t in range(1, 6):
         opt.zero_grad()
         F.cross_entropy(m(x), batch()[1]).backward()
@@ -365,7 +368,7 @@ def test_average_goes_through_a_resize_like_the_weights():
     mask_by_hand(dense_avg, [sorted(set(h)) for h in heads], [sorted(set(f)) for f in mlp])
     resize(m, opt, [torch.tensor(h) for h in heads], [torch.tensor(f) for f in mlp], eps=1.0,
            generator=torch.Generator().manual_seed(0), shadow=ema.shadow)
-    barter.check_shadow(m, ema.shadow)
+    vit.check_shadow(m, ema.shadow)
     live = m(x)
     with ema.swapped_in(m):
         torch.testing.assert_close(m(x), dense_avg(x), rtol=0, atol=1e-12)
@@ -375,13 +378,13 @@ def test_average_goes_through_a_resize_like_the_weights():
     torch.testing.assert_close(m(x), live, rtol=0, atol=0)  # the model's own weights are back
     _, meth, _, _, recs = run("barter", ema_decay=0.9)  # and in training: every update checks the average
     assert recs and meth.shadow is not None
-    barter.check_shadow(meth.model, meth.shadow)
+    vit.check_shadow(meth.model, meth.shadow)
 
 
 def test_fresh_units_leave_the_function_and_start_with_zero_adam_state():
     m, opt, x, y = trained_micro()
     resize(m, None, [None, None, torch.tensor([], dtype=torch.long)], None)  # block 2 loses its heads
-    opt = train.make_optimizer(m, 1e-3, 0.05)
+    opt = make_optimizer(m, 1e-3, 0.05)
     opt.zero_grad()
     F.cross_entropy(m(x), y).backward()
     opt.step()
@@ -418,46 +421,6 @@ def test_fresh_units_leave_the_function_and_start_with_zero_adam_state():
     assert blk.mlp.fc2.weight[:, 1:3].abs().sum() > 0 and blk.attn.proj.weight[:, HD:2 * HD].abs().sum() > 0
 
 
-def test_sprout_copies_its_parents_input_side_and_leaves_the_function():
-    """A one-sided split (--grow sprout): the new unit's input side is its parent's, pushed by eps times the
-    tensor's typical row; its output side and optimizer state are zero, so the function is exact for any
-    eps; the parent keeps its weights and state (it is not halved as a clone is)."""
-    m, opt, x, y = trained_micro()
-    blk = m.blocks[0]
-    old = {n: (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}) for n, p in blk.named_parameters()}
-    pruned = copy.deepcopy(m)  # the same units without the sprouts
-    resize(pruned, None, [torch.tensor([2, 0]), None, None], [torch.tensor([5, 7]), None, None])
-    fresh = resize(m, opt, [torch.tensor([2, sprout(0), 0]), None, None], [torch.tensor([5, sprout(5), 7, sprout(5)]), None, None],
-                   eps=1.0, generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(m(x), pruned(x), rtol=0, atol=1e-12)  # exact although eps = 1
-    assert fresh["heads"][0].tolist() == [False, True, False] and fresh["mlp"][0].tolist() == [False, True, False, True]
-    (W1, S1), (b1, _), (W2, S2) = old["mlp.fc1.weight"], old["mlp.fc1.bias"], old["mlp.fc2.weight"]
-    fc1, fc2 = blk.mlp.fc1, blk.mlp.fc2
-    st1, st2 = opt.state[fc1.weight], opt.state[fc2.weight]
-    assert torch.equal(fc1.weight[[0, 2]].detach(), W1[[5, 7]]) and torch.equal(fc2.weight[:, [0, 2]].detach(), W2[:, [5, 7]])
-    for k in ("exp_avg", "exp_avg_sq"):  # the parent's state as it was; the sprouts' zero on both sides
-        assert torch.equal(st1[k][0], S1[k][5]) and torch.equal(st2[k][:, 0], S2[k][:, 5])
-        assert not st1[k][[1, 3]].any() and not st2[k][:, [1, 3]].any()
-    assert torch.equal(fc1.bias[[1, 3]].detach(), b1[[5, 5]]) and not fc2.weight[:, [1, 3]].any()
-    push = fc1.weight[[1, 3]].detach() - W1[5]
-    typical = W1.pow(2).mean(1).sqrt().median()
-    assert 0.7 < push.pow(2).mean().sqrt().item() / typical.item() < 1.4  # eps = 1 of the typical row
-    assert abs(F.cosine_similarity(push[0], push[1], dim=0).item()) < 0.5  # two sprouts of one parent differ
-    W, S = old["attn.qkv.weight"]
-    qkv, proj = blk.attn.qkv.weight.detach(), blk.attn.proj.weight.detach()
-    parent, child = qkv_rows([0], 4), qkv_rows([1], 3)
-    d = qkv[child] - W[parent]
-    assert 0.5 < d.pow(2).mean().sqrt().item() / W.pow(2).mean(1).sqrt().median().item() < 2
-    assert torch.equal(qkv[qkv_rows([2], 3)], W[parent]) and not proj[:, head_cols([1])].any()
-    assert not opt.state[blk.attn.qkv.weight]["exp_avg"][child].any()
-    with pytest.raises(ValueError, match="sprout"):
-        resize(m, None, [torch.tensor([sprout(3)]), None, None], None)  # block 0 has 3 heads now: no unit 3
-    m, meth, opt, losses, recs = run("barter", steps=50, update_every=6, grow="sprout")
-    assert losses[-1] < 0.7 * losses[0] and len(recs) >= 5 and sum(r["moved"]["mlp"] for r in recs) > 0
-
-
-# ---- issue 2, test 4: gate-Taylor score == gradient of an explicit gate -----------------------
-
 def test_gate_taylor_equals_gate_gradient():
     m = micro()
     resize(m, None, [torch.tensor([0, 1, 2, 3]), torch.tensor([1]), torch.tensor([], dtype=torch.long)],
@@ -488,7 +451,7 @@ def test_random_updates_keep_budgets_exact(frac, split):
     kw = {"head_frac": frac, "mlp_frac": frac} if split else {}
     b = Barter(m, sched, dense_frac=frac, seed=0, **kw)
     b.init_model()
-    opt = train.make_optimizer(m, 1e-3, 0.05)
+    opt = make_optimizer(m, 1e-3, 0.05)
     g = torch.Generator().manual_seed(0)
     B_h, B_f = round(frac * 12 + 1e-9), round(frac * 192 + 1e-9)
     lo_h = 1 if B_h >= 3 else 0
@@ -551,7 +514,7 @@ def test_check_units_catches_each_broken_invariant():
         with pytest.raises(AssertionError):
             barter.check_units(counts, lo, hi, 4, weights, before, net)
     barter.check_units(before, lo, hi, 4, 22, start={"heads": 3, "mlp": 10})
-    with pytest.raises(AssertionError):  # at equal weights, but not the start's split (as --no-trade needs)
+    with pytest.raises(AssertionError):  # at equal weights, but not the start's split (as separate budgets need)
         barter.check_units(traded, lo, hi, 4, 22, start={"heads": 3, "mlp": 10})
 
 
@@ -602,7 +565,7 @@ def test_trade_weighs_squared_scores():
     m = micro(dtype=torch.float32)
     b = Barter(m, Schedule(total_steps=100, update_every=10, alpha0=0.0), dense_frac=0.3, seed=0)
     b.init_model()
-    opt = train.make_optimizer(m, 1e-3, 0.05)
+    opt = make_optimizer(m, 1e-3, 0.05)
     rate = b.rate
     assert rate == 16 and barter.exchange([1.0], [0.1] * rate, rate) == 0
     b.acc = {"heads": [torch.ones(n) for n in m.counts("heads")], "mlp": [torch.full((n,), 0.1) for n in m.counts("mlp")]}
@@ -641,11 +604,11 @@ def run(method, steps=40, frac=0.3, seed=0, update_every=8, ema_decay=None, grow
     sched = Schedule(total_steps=steps, update_every=update_every, alpha0=0.3, end_frac=0.9)
     meth = train.make_method(method, m, sched, frac, seed=seed, grow=grow)
     meth.init_model()
-    opt = train.make_optimizer(m, 2e-3, 0.05)
-    ema = train.EMA(m, ema_decay) if ema_decay else None  # as train.train wires it: meth.shadow is its dict
+    opt = make_optimizer(m, 2e-3, 0.05)
+    ema = EMA(m, ema_decay) if ema_decay else None  # as train.train wires it: meth.shadow is its dict
     meth.shadow = ema.shadow if ema else None
     x, y = batch(64, seed=5, dtype=torch.float32)
-    losses, recs, step = [], [], train.Stepper(m, meth, opt, train.nullcontext(), clip=1.0)
+    losses, recs, step = [], [], Stepper(m, meth, opt, nullcontext(), clip=1.0)
     for t in range(1, steps + 1):
         loss, rec = step(x, y, t)
         if ema:
@@ -722,47 +685,6 @@ def test_masked_weights_and_state_stay_zero(method):
         assert torch.count_nonzero(avg[off]) == 0 and not torch.equal(avg[~off], W[~off]), name
 
 
-def test_masked_random_growth_takes_no_dense_gradient(monkeypatch):
-    """--grow random (a structured SET) draws the units to grow, so it never takes the dense gradient of
-    the masked units, which BARTER cannot have either; it grows other units than the gradient does,
-    the same ones for a seed, and its budgets and zeros hold (checked in every update)."""
-    by_gradient = run("masked", steps=50, update_every=6)[4]
-    monkeypatch.setattr(baselines.Mask, "keep", lambda self, g: pytest.fail("the dense gradient was taken"))
-    m, meth, opt, losses, recs = run("masked", steps=50, update_every=6, grow="random")
-    assert losses[-1] < 0.7 * losses[0] and len(recs) >= 5 and sum(recs[0]["moved"].values()) > 0
-    assert all(p.grad is None and not p.capture for _, _, p in meth.masks.values())
-    counts = [r["counts"] for r in recs]
-    assert counts != [r["counts"] for r in by_gradient]
-    assert [r["counts"] for r in run("masked", steps=50, update_every=6, grow="random")[4]] == counts
-
-
-def test_barter_random_growth_ignores_the_scores_of_units_that_exist():
-    """barter --grow random: BARTER's scores choose what is pruned, a draw chooses the absent slots that
-    grow a fresh unit. With the same units pruned, survivors ranked one way or the opposite way grow the
-    same units; under --grow fresh, which grows in the best survivors' block, they do not."""
-    def update(grow, order):
-        m = micro(dtype=torch.float32)
-        b = Barter(m, Schedule(total_steps=100, update_every=1, alpha0=0.3, end_frac=1.0), dense_frac=0.3, grow=grow,
-                   trade=False)
-        b.init_model()  # heads 2 1 1, channels 20 19 19; alpha 0.3 moves 1 head and 17 channels
-        b.acc = {k: [torch.full((n,), 1.0 + order[i]) for i, n in enumerate(m.counts(k))] for k in ("heads", "mlp")}
-        b.acc["heads"][0][0], b.acc["mlp"][0][:17] = 0.0, 0.0  # the units pruned, whatever the order
-        b.acc2, b.nacc = {k: [a * a for a in v] for k, v in b.acc.items()}, 1
-        before = {k: m.counts(k) for k in ("heads", "mlp")}
-        rec = b.update(train.make_optimizer(m, 1e-3, 0.05), 1)
-        assert rec["moved"] == {"heads": 1, "mlp": 17} and sum(rec["counts"]["mlp"]) == sum(before["mlp"])
-        for blk, new in zip(m.blocks, b.fresh["mlp"]):  # grown units are fresh: zero output side
-            assert new.sum() == 0 or not blk.mlp.fc2.weight[:, new].any()
-        return rec["counts"]
-
-    assert update("fresh", (1, 2, 3)) != update("fresh", (3, 2, 1))
-    grown = update("random", (1, 2, 3))
-    assert grown == update("random", (3, 2, 1)) and grown["mlp"][0] > 3  # block 0 regrew some of its 17
-    m, meth, opt, losses, recs = run("barter", steps=50, update_every=6, grow="random")
-    assert losses[-1] < 0.7 * losses[0] and len(recs) >= 5  # budgets and bounds: checked in every update
-    assert [r["counts"] for r in run("barter", steps=50, update_every=6, grow="random")[4]] == [r["counts"] for r in recs]
-
-
 def test_structured_density_from_masks():
     m, meth, opt, _, _ = run("masked", steps=30)
     for i, b in enumerate(m.blocks):  # count units from the masks themselves
@@ -816,9 +738,9 @@ def test_bidst_logits_get_the_loss_gradient_and_binarize_exactly():
     logits0 = {n: s.clone() for n, s in meth.logits.items()}
     noise = torch.Generator()
     noise.set_state(meth.gen.get_state())
-    opt = train.make_optimizer(m, 1e-3, 0.0)
+    opt = make_optimizer(m, 1e-3, 0.0)
     x, y = batch()
-    step = train.Stepper(m, meth, opt, train.nullcontext())
+    step = Stepper(m, meth, opt, nullcontext())
     step(x, y, 1)
     F.cross_entropy(ref(x), y).backward()
     lr = opt.param_groups[0]["lr"]
@@ -947,19 +869,21 @@ def test_resume_is_exact(tmp_path, method):
     assert ups == [10, 20, 30, 40, 50, 60, 70, 80, 90, 100]
 
 
-def test_masked_checkpoint_from_before_its_grow_option_resumes(tmp_path):
-    # masked runs recorded barter's --grow value (clone) until masked had its own; they grew by the gradient
-    a = targs(tmp_path, method="masked", max_steps=5)
+def test_checkpoints_from_before_budgets_and_masked_growth_were_named_resume(tmp_path):
+    # --no-trade (recorded as trade: False) is --budgets separate now; masked recorded a --grow of its own,
+    # which is no longer a choice: both resume
+    a = targs(tmp_path, method="masked", max_steps=5, budgets="separate")
     train.main(a)
     path = os.path.join(a.out_dir, "checkpoint.pt")
     ck = torch.load(path, weights_only=True)
-    assert ck["args"]["grow"] == "gradient"
-    ck["args"]["grow"] = "clone"
+    assert ck["args"]["budgets"] == "separate" and ck["args"]["grow"] is None
+    del ck["args"]["budgets"]
+    ck["args"].update(trade=False, grow="gradient")
     torch.save(ck, path)
     train.main(replace(a, max_steps=8, resume=path))
     assert read_log(a.out_dir)[-1]["step"] == 8
-    with pytest.raises(train.ArgError, match="--grow 'gradient' \\(now 'random'\\)"):
-        train.main(replace(a, max_steps=11, resume=path, grow="random"))
+    with pytest.raises(train.ArgError, match="--budgets 'separate' \\(now 'shared'\\)"):
+        train.main(replace(a, max_steps=11, resume=path, budgets="shared"))
 
 
 def test_run_records_its_environment_and_a_resume_under_another_says_so(tmp_path, capsys):
@@ -1011,7 +935,7 @@ def test_weight_baselines_update_after_the_warmup(tmp_path):
     (dict(end_frac=0.05), "never update"), (dict(method="rigl", update_every=10_000), "never update"),
     (dict(method="rigl", warmup_epochs=2), "never update.*lr warmup"),
     (dict(ema_decay=1.0), "ema-decay"),
-    (dict(grow="gradient"), "not a way barter grows"), (dict(method="masked", grow="clone"), "not a way masked grows"),
+    (dict(grow="gradient"), "not a way barter grows"),
 ])
 def test_bad_arguments_fail_before_any_work(tmp_path, change, message):
     a = targs(tmp_path, **change)
@@ -1061,7 +985,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
 
 
 def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
-    real, steps = train.train_step, []
+    real, steps = train_step, []
 
     def poisoned(model, *args, **kw):
         loss = real(model, *args, **kw)
@@ -1071,7 +995,7 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monke
                 model.head.weight.fill_(float("nan"))
         return loss
 
-    monkeypatch.setattr(train, "train_step", poisoned)
+    monkeypatch.setattr(sys.modules["step"], "train_step", poisoned)
     a = targs(tmp_path, max_steps=150)
     with pytest.raises(SystemExit) as e:
         train.main(a)
@@ -1125,24 +1049,24 @@ def tripwire(monkeypatch):
 @pytest.mark.parametrize("method", STEP_METHODS)
 def test_the_step_makes_no_host_sync(method, monkeypatch):
     m, meth = method_on_micro(method)
-    opt = train.make_optimizer(m, 1e-3, 0.05, fused=True)  # as on CUDA: the fused kernel, a tensor lr
+    opt = make_optimizer(m, 1e-3, 0.05, fused=True)  # as on CUDA: the fused kernel, a tensor lr
     x, y = batch(16, dtype=torch.float32)
-    step = train.Stepper(m, meth, opt, train.nullcontext(), clip=1.0, smoothing=0.1)
+    step = Stepper(m, meth, opt, nullcontext(), clip=1.0, smoothing=0.1)
     step(x, y, 1)  # the optimizer state is made at the first step, as before a capture
     with monkeypatch.context() as mp:
         tripwire(mp)
         with pytest.raises(AssertionError, match="host sync"):  # the wire is live
             bool(torch.ones(()))
-        train.set_lr(opt, 5e-4)
-        loss = train.train_step(m, m, meth, opt, x, y, train.nullcontext(), clip=1.0, smoothing=0.1)
+        set_lr(opt, 5e-4)
+        loss = train_step(m, m, meth, opt, x, y, nullcontext(), clip=1.0, smoothing=0.1)
     assert torch.isfinite(loss)
 
 
 @pytest.mark.parametrize("method", ["barter", "masked"])
 def test_statistics_buffers_keep_their_storage_and_equal_sums_by_hand(method):
     m, meth = method_on_micro(method, update_every=1000)
-    opt = train.make_optimizer(m, 1e-3, 0.05)
-    step = train.Stepper(m, meth, opt, train.nullcontext(), clip=1.0)
+    opt = make_optimizer(m, 1e-3, 0.05)
+    step = Stepper(m, meth, opt, nullcontext(), clip=1.0)
     where = [b.data_ptr() for k in ("heads", "mlp") for bufs in (meth.acc[k], meth.acc2[k]) for b in bufs]
     absum = {k: [torch.zeros(n, dtype=torch.float64) for n in m.counts(k)] for k in ("heads", "mlp")}
     sqsum = {k: [torch.zeros(n, dtype=torch.float64) for n in m.counts(k)] for k in ("heads", "mlp")}
@@ -1177,13 +1101,13 @@ def test_a_tensor_lr_gives_the_parameters_of_the_float_it_holds():
     runs = {}
     for form in ("tensor", "float"):
         m, meth = method_on_micro("barter")
-        opt = train.make_optimizer(m, 1e-3, 0.05, fused=True)
+        opt = make_optimizer(m, 1e-3, 0.05, fused=True)
         if form == "float":  # the same optimizer with a Python float, holding the float32 value the tensor holds
             for g in opt.param_groups:
                 g["lr"] = float(g["lr"])
-        step = train.Stepper(m, meth, opt, train.nullcontext(), clip=1.0)
+        step = Stepper(m, meth, opt, nullcontext(), clip=1.0)
         for t, lr in enumerate(lrs, 1):
-            train.set_lr(opt, float(torch.tensor(lr)) if form == "float" else lr)
+            set_lr(opt, float(torch.tensor(lr)) if form == "float" else lr)
             step(*batch(16, seed=t, dtype=torch.float32), t)
         runs[form] = (m, opt)
     (a, opt), (b, _) = runs["tensor"], runs["float"]
@@ -1192,12 +1116,12 @@ def test_a_tensor_lr_gives_the_parameters_of_the_float_it_holds():
     # a checkpoint of the default CPU optimizer (float lr, no fused kernel) loads into this one and keeps
     # its tensor lr and kernel; and the other way round
     m2, _ = method_on_micro("barter")
-    cpu = train.make_optimizer(m2, 1e-3, 0.05)
-    train.load_optimizer(opt, cpu.state_dict())
+    cpu = make_optimizer(m2, 1e-3, 0.05)
+    load_optimizer(opt, cpu.state_dict())
     assert torch.is_tensor(opt.param_groups[0]["lr"]) and opt.param_groups[0]["fused"]
     assert float(opt.param_groups[0]["lr"]) == pytest.approx(1e-3)
-    fresh = train.make_optimizer(a, 1e-3, 0.05)
-    train.load_optimizer(fresh, opt.state_dict())
+    fresh = make_optimizer(a, 1e-3, 0.05)
+    load_optimizer(fresh, opt.state_dict())
     assert not torch.is_tensor(fresh.param_groups[0]["lr"]) and not fresh.param_groups[0]["fused"]
 
 
@@ -1215,12 +1139,12 @@ def test_patch_linear_equals_the_convolution():
 
 
 class StandInGraph:
-    """train.Graph's interface on the CPU: capture keeps the function without running it, replay runs it,
+    """Graph's interface on the CPU: capture keeps the function without running it, replay runs it,
     release forgets it (a replay after a release fails, as a freed graph must not run)."""
 
     def __init__(self, model):
         self.model, self.fn, self.captured_at, self.replays = model, None, [], 0
-        self.side_stream = train.nullcontext
+        self.side_stream = nullcontext
 
     def capture(self, fn):
         self.fn = fn
@@ -1240,9 +1164,9 @@ def test_capture_once_per_topology_and_update_steps_eager(method):
     runs = {}
     for mode in ("eager", "graph"):
         m, meth = method_on_micro(method, update_every=every, steps=steps)
-        opt = train.make_optimizer(m, 2e-3, 0.05)
+        opt = make_optimizer(m, 2e-3, 0.05)
         graph = StandInGraph(m) if mode == "graph" else None
-        step = train.Stepper(m, meth, opt, train.nullcontext(), clip=1.0, graph=graph)
+        step = Stepper(m, meth, opt, nullcontext(), clip=1.0, graph=graph)
         eager, recs = [], []
         for t in range(1, steps + 1):
             before = graph.replays if graph else 0
@@ -1254,7 +1178,7 @@ def test_capture_once_per_topology_and_update_steps_eager(method):
     assert re == rg and len(rg) == 4  # the same topology decisions
     assert all(torch.equal(p, q) for p, q in zip(me.parameters(), mg.parameters()))
     updates = [t for t in range(1, steps + 1) if meth.updates_at(t)]
-    W = train.Stepper.WARMUP
+    W = Stepper.WARMUP
     # eager: every update step, and the warm-up steps at the start and after each update; the rest replayed
     expect = set(updates) | {u + k for u in [0] + updates for k in range(1, W + 1)}
     assert {t for t, e in enumerate(eager, 1) if e} == expect
@@ -1266,12 +1190,12 @@ def test_capture_once_per_topology_and_update_steps_eager(method):
 def test_a_batch_of_another_shape_is_captured_anew():
     m, meth = method_on_micro("barter", update_every=1000)
     graph = StandInGraph(m)
-    step = train.Stepper(m, meth, train.make_optimizer(m, 1e-3, 0.05), train.nullcontext(), graph=graph)
+    step = Stepper(m, meth, make_optimizer(m, 1e-3, 0.05), nullcontext(), graph=graph)
     sizes = [16] * 5 + [8] * 5
     for t, n in enumerate(sizes, 1):
         step(*batch(n, seed=t, dtype=torch.float32), t)
     # each shape: 2 eager warm-up steps, then a capture and 3 replays (the capture step's included)
-    assert step.captures == 2 and graph.replays == 6 and train.Stepper.WARMUP == 2
+    assert step.captures == 2 and graph.replays == 6 and Stepper.WARMUP == 2
     assert meth.nacc == len(sizes)
 
 
@@ -1302,8 +1226,8 @@ def test_cuda_reserved_memory_stays_flat_over_captures():
     m = ViT(PRESETS["cifar-tiny"]).cuda()
     meth = train.make_method("barter", m, Schedule(total_steps=60, update_every=6, end_frac=1.0), 0.1)
     meth.init_model()
-    step = train.Stepper(m, meth, train.make_optimizer(m, 1e-3, 0.05), train.autocast(torch.device("cuda"), True),
-                         clip=1.0, graph=train.Graph())
+    step = Stepper(m, meth, make_optimizer(m, 1e-3, 0.05), autocast(torch.device("cuda"), True),
+                         clip=1.0, graph=Graph())
     x, y = torch.randn(32, 3, 32, 32, device="cuda"), torch.randint(0, 10, (32,), device="cuda")
     reserved = []
     for t in range(1, 37):
@@ -1319,20 +1243,20 @@ def test_cuda_reserved_memory_stays_flat_over_captures():
 @cuda_only
 def test_cuda_step_is_clean_under_sync_debug_mode():
     m, meth = method_on_micro("barter", device="cuda", update_every=1000)
-    opt = train.make_optimizer(m, 1e-3, 0.05)
-    step = train.Stepper(m, meth, opt, train.autocast(torch.device("cuda"), True), clip=1.0, graph=train.Graph())
+    opt = make_optimizer(m, 1e-3, 0.05)
+    step = Stepper(m, meth, opt, autocast(torch.device("cuda"), True), clip=1.0, graph=Graph())
     x, y = (t.cuda() for t in batch(16, dtype=torch.float32))
-    for t in range(1, train.Stepper.WARMUP + 2):  # warm-up, then the capture
+    for t in range(1, Stepper.WARMUP + 2):  # warm-up, then the capture
         step(x, y, t)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        train.set_lr(opt, 5e-4)
-        step(x, y, train.Stepper.WARMUP + 2)  # a replay
-        train.train_step(m, m, meth, opt, x, y, train.autocast(torch.device("cuda"), True), clip=1.0)  # eager
+        set_lr(opt, 5e-4)
+        step(x, y, Stepper.WARMUP + 2)  # a replay
+        train_step(m, m, meth, opt, x, y, autocast(torch.device("cuda"), True), clip=1.0)  # eager
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert step.captures == 1 and meth.nacc == train.Stepper.WARMUP + 2
+    assert step.captures == 1 and meth.nacc == Stepper.WARMUP + 2
 
 
 # ---- issue 5: bench.py -------------------------------------------------------------------------
@@ -1567,23 +1491,24 @@ def test_failed_data_leaves_no_run_folder(tmp_path, monkeypatch):
 
 
 def test_arguments_a_run_does_not_read_are_named(tmp_path, capsys):
-    assert train.ignored(targs(tmp_path, method="barter", grow="random", churn=0.2)) is None  # barter reads them all
-    assert train.ignored(targs(tmp_path, method="rigl", grow="clone", churn=0.2, select="magnitude")) == \
-        "note: ignored: --grow, --churn (not read by --method rigl); --select (read only with --pretrained)"
+    assert train.ignored(targs(tmp_path, method="barter", grow="fresh", churn=0.2, budgets="separate")) is None  # barter reads them all
+    assert train.ignored(targs(tmp_path, method="rigl", grow="clone", churn=0.2, init_batches=3)) == \
+        "note: ignored: --grow, --churn (not read by --method rigl); --init-batches (read only with --pretrained)"
+    assert train.ignored(targs(tmp_path, method="masked", grow="fresh")) == "note: ignored: --grow (not read by --method masked)"
     assert train.ignored(targs(tmp_path, method="dense")) == \
         "note: ignored: --dense-frac, --update-every (not read by --method dense)"
-    assert train.ignored(targs(tmp_path, method="masked", pretrained="w.pt", select="magnitude", pretrained_heads=6)) is None
+    assert train.ignored(targs(tmp_path, method="masked", pretrained="w.pt", init_batches=3, pretrained_heads=6)) is None
     assert train.ignored(targs(tmp_path, pretrained="torchvision:vit_b_16", pretrained_heads=6)) == \
         "note: ignored: --pretrained-heads (torchvision's model gives its own head count)"
-    train.main(targs(tmp_path, method="static", grow="random", max_steps=2))
+    train.main(targs(tmp_path, method="static", grow="fresh", max_steps=2))
     assert "note: ignored: --grow, --update-every (not read by --method static)" in capsys.readouterr().out
 
 
 def test_static_trains_with_no_topology_update(tmp_path):
     logs = {}
-    for method, extra in (("static", []), ("barter", []), ("no-trade", ["--no-trade"])):  # barter does move units
+    for method, extra in (("static", []), ("barter", []), ("separate", ["--budgets", "separate"])):  # barter does move units
         out = tmp_path / method
-        r = subprocess.run([sys.executable, "train.py", "--method", method.replace("no-trade", "barter"), *extra,
+        r = subprocess.run([sys.executable, "train.py", "--method", method.replace("separate", "barter"), *extra,
                             "--model", "micro", "--data", "synthetic",
                             "--epochs", "1", "--max-steps", "30", "--update-every", "10", "--warmup-epochs", "1",
                             "--batch-size", "64", "--dense-frac", "0.3", "--device", "cpu", "--out-dir", str(out)],
@@ -1591,10 +1516,10 @@ def test_static_trains_with_no_topology_update(tmp_path):
         assert r.returncode == 0, r.stderr
         logs[method] = read_log(out)
     assert not [r for r in logs["static"] if r["type"] == "update"]
-    fixed = [r for r in logs["no-trade"] if r["type"] == "update"]
+    fixed = [r for r in logs["separate"] if r["type"] == "update"]
     assert len(fixed) == 3 and all(r["traded"] == 0 and sum(r["counts"]["heads"]) == 4 and sum(r["counts"]["mlp"]) == 58
                                    for r in fixed)
-    line = train.show_counts({"step": 5, "moved": {"heads": 0, "mlp": 16}, "traded": 1,
+    line = runlog.show_counts({"step": 5, "moved": {"heads": 0, "mlp": 16}, "traded": 1,
                               "counts": {"heads": [2, 2], "mlp": [9, 9]}}, {"heads": [2, 1], "mlp": [17, 17]})
     assert line == "step 5: moved 0 heads, 16 mlp, channels traded for a head | heads 2 2(+1) | mlp 9(-8) 9(-8)"
     assert [r["step"] for r in logs["barter"] if r["type"] == "update"] == [10, 20, 30]  # inside the lr warmup (78 steps)
@@ -2019,7 +1944,7 @@ def trained_torchvision(tmp_path_factory):
 def start(tmp_path, path, **kw):
     a = targs(tmp_path, pretrained=path, pretrained_heads=4, init_batches=3, **kw)
     torch.manual_seed(0)
-    return train.build(a, None, torch.device("cpu"), train.nullcontext())
+    return train.build(a, None, torch.device("cpu"), nullcontext())
 
 
 def test_importance_selection_keeps_the_top_units(tmp_path, trained_torchvision):
@@ -2080,7 +2005,7 @@ def test_finetune_runs_and_new_classes_get_a_fitted_head(tmp_path, trained_torch
     a = targs(tmp_path, pretrained=str(weights), pretrained_heads=4, init_batches=2, max_steps=12, out_dir=str(tmp_path / "ft"))
     train.main(a)
     start_rec = read_log(a.out_dir)[0]
-    assert start_rec["init"]["select"] == "taylor" and start_rec["init"]["loss_start"] > 0
+    assert start_rec["init"]["batches"] == 2 and start_rec["init"]["loss_start"] > 0
     # a fine-tune's defaults move fewer units and grow fresh ones; from scratch, or when given, they are as set
     assert (start_rec["args"]["churn"], start_rec["args"]["grow"]) == (0.1, "fresh")
     scratch = train.derived(targs(tmp_path))
@@ -2121,8 +2046,8 @@ def test_average_of_the_weights_is_logged_checkpointed_and_loads(tmp_path):
     assert any(not torch.equal(p, q) for p, q in zip(live.parameters(), avg.parameters()))
     _, test_dl, _ = data.load("synthetic", "data", a.batch_size, torch.device("cpu"), CFG.img_size, a.seed, 1)
     # the logged numbers are those of the models a user loads back
-    assert train.evaluate(live, test_dl, train.nullcontext()) == ep["test_top1"]
-    assert train.evaluate(avg, test_dl, train.nullcontext()) == ep["test_top1_ema"]
+    assert evaluate(live, test_dl, nullcontext()) == ep["test_top1"]
+    assert evaluate(avg, test_dl, nullcontext()) == ep["test_top1_ema"]
     plain = targs(tmp_path, max_steps=5, out_dir=str(tmp_path / "plain"))
     train.main(plain)
     with pytest.raises(vit.WeightsError, match="no average"):

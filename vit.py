@@ -1,6 +1,7 @@
 """
 A Vision Transformer whose blocks each hold their own number of attention heads and MLP hidden
-channels, and the slicing primitives that resize them. Names follow timm's vision_transformer.py.
+channels, `resize`, which slices them (weights, optimizer state and an average of the weights through
+the same indices), and the readers of weights from elsewhere. Names follow timm's vision_transformer.py.
 
 Tensor layout that everything else relies on (resize, masks, statistics):
   attn.qkv.weight  (3*h*hd, D)  rows [q_0 .. q_{h-1} | k_0 .. k_{h-1} | v_0 .. v_{h-1}], hd rows each
@@ -49,7 +50,7 @@ PRESETS = {
     "cifar-tiny": ViTConfig(img_size=32, patch_size=4, dim=192, depth=12, num_heads=3),
     # 28 px (MNIST, Fashion-MNIST), 4x4 patches of 7 px: small enough for accuracy studies on a CPU
     "tiny-28": ViTConfig(img_size=28, patch_size=7, in_chans=1, dim=72, depth=6, num_heads=6),
-    # the model issue 9 measured on digits (28 px to 32, 8x8 patches of 4 px): 4 times tiny-28's tokens
+    # 32 px grey images in 8x8 patches of 4 px: four times tiny-28's tokens, so a head costs more time
     "tiny-32": ViTConfig(img_size=32, patch_size=4, in_chans=1, dim=64, depth=6, num_heads=4),
     "deit-tiny": ViTConfig(img_size=224, patch_size=16, num_classes=1000, dim=192, depth=12, num_heads=3),
     "deit-small": ViTConfig(img_size=224, patch_size=16, num_classes=1000, dim=384, depth=12, num_heads=6),
@@ -98,8 +99,10 @@ def norm_linear(x, norm, W, b):
     return F.linear(Normalize.apply(x, norm.eps), W * norm.weight, b + W @ norm.bias)
 
 
-# bf16 GEMMs whose width is not a multiple of 8 take a slow path on CUDA (an H200 ran fc1 at 153
-# channels 6x slower than at 152, .ci/gpu's width probe), and BARTER's MLP widths are any integer
+KINDS = ("heads", "mlp")  # the kinds of unit (Block.units)
+
+# bf16 GEMMs whose width is not a multiple of 8 take a slow path on CUDA (docs/benchmarks.md), and
+# BARTER's MLP widths are any integer
 GEMM_MULTIPLE = {"cuda": 8}
 
 
@@ -160,7 +163,7 @@ class Block(nn.Module):
         x = x + (self.mlp(x, self.norm2) if self.mlp.hidden else self.mlp.fc2.bias)
         return x
 
-    # ---- the one place that says which rows/columns of which tensors a unit owns ----
+    # ---- the one place that says which rows/columns of which tensors a unit owns (KINDS: heads, mlp) ----
     def units(self, kind):
         """For kind 'heads' or 'mlp': (n units, rows per unit w, [(module, attr, dim, side, segments)]).
         Unit u owns rows seg*n*w + u*w + [0, w) along `dim` for seg < segments (see the layout above)."""
@@ -200,6 +203,131 @@ def per_row(values, w, segments):
 def leaf(mod, attr):
     """The trainable tensor behind mod.attr: the original when a mask parametrization sits on it."""
     return mod.parametrizations[attr].original if parametrize.is_parametrized(mod, attr) else getattr(mod, attr)
+
+
+# ----------------------------------------------------------------------------------------------
+# resize: gather the units of every block, parameters and optimizer state through the same indices
+
+# how an optimizer state tensor scales on the INPUT side of a unit split m ways: the copy's input
+# gradient is 1/m of the parent's (its output side was divided by m), so 1st moments / m, 2nd / m^2.
+# On the OUTPUT side every copy sees the parent's gradient: state is copied as it is.
+STATE_POWER = {"exp_avg": 1, "momentum_buffer": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 2}
+FRESH = -1  # a source index that asks for a new unit instead of a copy
+INIT_STD = 0.02  # the ViT's own init of a linear weight (vit.ViT.__init__)
+
+
+@torch.no_grad()
+def resize(model, optimizer, heads, mlp, eps=0.0, generator=None, shadow=None):
+    """Rebuild block i with the source units heads[i] / mlp[i] (1-D LongTensors; None = untouched).
+    Source u keeps unit u, or copies it: a source that appears m times is split into m copies (Net2Net),
+    input side copied and pushed by +-eps * s * z (z ~ N(0, 1), opposite signs, so the copies' mean is
+    the source; s is the tensor's median row RMS, because a push in units of the row itself would make
+    a lineage's rows longer at every split, geometrically), output side divided by m: the function is
+    the same to first order in eps. A source FRESH is a new unit: input weights drawn like the init,
+    input bias, output side and optimizer state zero, so it outputs nothing. Every optimizer state
+    tensor goes through the same indices (scaled by STATE_POWER on a split's input side), and so does
+    `shadow`, an average of the weights keyed by Parameter (step.EMA), without the push. Returns, per
+    kind and block, which units are new (halves of a split, or fresh)."""
+    where = {}  # id(param) -> (group, position) in the optimizer
+    for g in optimizer.param_groups if optimizer is not None else []:
+        for i, p in enumerate(g["params"]):
+            where[id(p)] = (g, i)
+    fresh = {}
+    for kind, plan in zip(KINDS, (heads, mlp)):
+        if plan is None:
+            continue
+        if len(plan) != len(model.blocks):
+            raise ValueError(f"{kind}: need one index tensor (or None) per block, got {len(plan)}")
+        fresh[kind] = []
+        for blk, idx in zip(model.blocks, plan):
+            n, w, tensors = blk.units(kind)
+            if idx is None:
+                fresh[kind].append(None)
+                continue
+            dev = tensors[0][0].weight.device
+            idx = torch.as_tensor(idx, dtype=torch.long).to(dev)
+            if idx.ndim != 1 or (idx.numel() and (idx.min() < FRESH or idx.max() >= n)):
+                raise ValueError(f"{kind} indices must be a 1-D tensor with values in [0, {n}) or {FRESH} (fresh)")
+            new_unit = idx == FRESH
+            src = idx.clamp(min=0)  # a fresh unit gathers unit 0, then is overwritten
+            m = torch.bincount(idx[~new_unit], minlength=n)[src].double() if n else torch.ones(len(idx), device=dev)
+            m[new_unit] = 1
+            rank = ((idx[:, None] == idx[None, :]) & ~new_unit[:, None]).double().tril(-1).sum(1)  # 0 = the parent
+            sign = (m - 1) - 2 * rank  # e.g. +1/-1 for a pair, +2/0/-2 for three: sums to zero
+            fresh[kind].append((m > 1) | new_unit)
+            for tensor in tensors:
+                resize_tensor(tensor, kind, n, w, src, m, sign, new_unit, eps, generator, shadow, optimizer, where)
+            blk.set_units(kind, idx.numel())
+    if optimizer is not None:
+        check_optimizer(model, optimizer)
+    if shadow is not None:
+        check_shadow(model, shadow)
+    return fresh
+
+
+def resize_tensor(tensor, kind, n, w, src, m, sign, new_unit, eps, generator, shadow, optimizer, where):
+    """One tensor of a block (a row of Block.units) rebuilt from the source units, and its optimizer
+    state and average with it (see resize)."""
+    mod, attr, dim, side, seg = tensor
+    old = getattr(mod, attr)
+    rows = unit_rows(src, n, w, seg)
+    shape = [1] * old.ndim
+    shape[dim] = -1
+    size = list(old.shape)
+    size[dim] = len(rows)
+    inv_m = per_row(1.0 / m, w, seg).view(shape).to(old.dtype)
+    is_new = per_row(new_unit, w, seg).view(shape)
+
+    def gather(t, power, fill):  # power: how t scales with the input-side split (STATE_POWER)
+        out = t.index_select(dim, rows) if n else t.new_zeros(size)
+        out = out * inv_m ** power if power else out
+        return torch.where(is_new, fill, out) if bool(is_new.any()) else out
+
+    wpower = 0 if side == "in" else 1  # a weight (and its average) is divided by m on the output side
+    draw = 0.0
+    if side == "in" and attr == "weight" and bool(new_unit.any()):
+        draw = nn.init.trunc_normal_(torch.empty(size), std=INIT_STD, generator=generator).to(old.device, old.dtype)
+    new = gather(old, wpower, draw)
+    if side == "in" and attr == "weight" and eps > 0 and bool((m > 1).any()):
+        typical = old.pow(2).mean(1 - dim).sqrt().median()  # push in units of the tensor's typical row
+        u = torch.randn(old.shape, generator=generator).to(old.device, old.dtype) * typical
+        new += eps * per_row(sign, w, seg).view(shape).to(old.dtype) * u.index_select(dim, rows)
+    new = nn.Parameter(new, requires_grad=old.requires_grad)
+    setattr(mod, attr, new)
+    if shadow is not None:
+        shadow[new] = gather(shadow.pop(old), wpower, 0.0)
+    if optimizer is None:
+        return
+    if id(old) not in where:
+        raise RuntimeError(f"{kind} tensor {attr} of shape {tuple(old.shape)} is not in the optimizer")
+    g, i = where.pop(id(old))
+    g["params"][i] = new
+    remapped = {}
+    for key, v in optimizer.state.pop(old, {}).items():
+        if torch.is_tensor(v) and v.shape == old.shape:
+            if key not in STATE_POWER:
+                raise RuntimeError(f"don't know how optimizer state {key!r} scales on a split")
+            remapped[key] = gather(v, STATE_POWER[key] if side == "in" else 0, 0.0)
+        else:
+            remapped[key] = v  # the step count and other shape-free entries are kept
+    if remapped:
+        optimizer.state[new] = remapped
+
+
+def check_optimizer(model, optimizer):
+    """Every trainable parameter of the model is in exactly one group, and nothing else is there."""
+    params = {id(p) for p in model.parameters() if p.requires_grad}
+    in_groups = [id(p) for g in optimizer.param_groups for p in g["params"]]
+    assert len(in_groups) == len(set(in_groups)), "a parameter is in the optimizer twice"
+    assert set(in_groups) == params, "optimizer and model disagree on the parameters (stale Parameter?)"
+    assert all(id(p) in params for p in optimizer.state), "optimizer state of a stale Parameter"
+
+
+def check_shadow(model, shadow):
+    """An average of the weights holds one tensor of the right shape per trainable parameter, no more."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert {id(p) for p in shadow} == {id(p) for p in params}, "average and model disagree on the parameters"
+    assert all(shadow[p].shape == p.shape for p in params), "an averaged tensor has the wrong shape"
 
 
 class ViT(nn.Module):
@@ -428,6 +556,50 @@ def load_pretrained(source, num_heads=None):
     if isinstance(sd, dict) and "patch_embed.proj.weight" in sd and "blocks.0.attn.qkv.weight" in sd:
         return dense_from(timm_keys(sd), num_heads), "timm"
     raise WeightsError(f"{source!r} holds no weights of a kind this project reads; accepted: {KINDS_ACCEPTED}")
+
+
+@torch.no_grad()
+def adapt(model, cfg):
+    """A pretrained model made fit, in place, for data of shape cfg: grey images take the RGB patch
+    embedding summed over its channels, the position embedding is resampled to the patch grid, and a
+    new class count gets a zero head. Returns (whether the head is new, what changed, in words)."""
+    old, notes = model.cfg, []
+    if old.in_chans != cfg.in_chans:
+        if (old.in_chans, cfg.in_chans) != (3, 1):
+            raise WeightsError(f"the weights take {old.in_chans} channels, the data has {cfg.in_chans}")
+        w, b = model.patch_embed.weight, model.patch_embed.bias  # grey = RGB with three equal channels
+        model.patch_embed = nn.Conv2d(1, old.dim, old.patch_size, old.patch_size).to(w.dtype)
+        model.patch_embed.weight.copy_(w.sum(1, keepdim=True))
+        model.patch_embed.bias.copy_(b)
+        notes.append("grey images: the RGB patch embedding is summed over its three channels")
+    model.pos_embed = nn.Parameter(resample_pos_embed(model.pos_embed.detach(), cfg.img_size // cfg.patch_size))
+    new_head = old.num_classes != cfg.num_classes
+    if new_head:
+        model.head = nn.Linear(old.dim, cfg.num_classes)
+        nn.init.zeros_(model.head.weight)
+        nn.init.zeros_(model.head.bias)
+        notes.append(f"new classifier head for {cfg.num_classes} classes (the weights have {old.num_classes}): zero, then "
+                     f"fitted to the frozen features of the --init-batches before units are scored")
+    model.cfg = cfg
+    return new_head, notes
+
+
+def fit_head(model, batches, steps=200):
+    """Fit a zero head to the frozen features of `batches` (logistic regression, Adam): a zero head gives
+    every unit a zero gate-Taylor score."""
+    with torch.no_grad():
+        feats = torch.cat([model.features(x).float() for x, _ in batches])
+    ys = torch.cat([y for _, y in batches])
+    W = torch.zeros_like(model.head.weight, dtype=torch.float32, requires_grad=True)
+    b = torch.zeros_like(model.head.bias, dtype=torch.float32, requires_grad=True)
+    opt = torch.optim.Adam([W, b], lr=1e-2)
+    for _ in range(steps):
+        opt.zero_grad()
+        F.cross_entropy(feats @ W.T + b, ys).backward()
+        opt.step()
+    with torch.no_grad():
+        model.head.weight.copy_(W)
+        model.head.bias.copy_(b)
 
 
 def resample_pos_embed(pos, grid):
