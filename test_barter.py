@@ -1012,6 +1012,14 @@ def test_synthetic_data_is_learnable_and_fixed_by_seed():
     assert torch.equal(x1, x2) and torch.equal(y1, y2)
     x3, _ = next(tr.epoch(4, 2))
     assert not torch.equal(x1, x3)
+    # a resumed epoch sees the batches it would have seen; two ranks' shares make up one process's batch,
+    # augmented alike (the epoch's draws are made up front, for whole batches)
+    whole = list(tr.epoch(3))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(tr.epoch(3, 2), whole[2:]))
+    ranks = [data.load("synthetic", "data", 50, "cpu", rank=r, world=2)[0] for r in (0, 1)]
+    for k, (p0, p1) in enumerate(zip(ranks[0].epoch(3), ranks[1].epoch(3))):
+        assert torch.equal(torch.cat([p0[0], p1[0]]), whole[k][0]) and torch.equal(torch.cat([p0[1], p1[1]]), whole[k][1])
+    assert k == len(whole) - 1
     # a nearest-class-mean classifier on raw pixels is far above chance: the set is learnable
     (xtr, ytr), (xte, yte) = data.synthetic_set()
     means = torch.stack([xtr[ytr == c].float().mean(0) for c in range(10)]).flatten(1)
