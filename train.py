@@ -232,11 +232,12 @@ def run_dir(args):
     return args.out_dir or f"runs/{args.method}-d{args.dense_frac}-{args.model}-{args.data}-s{args.seed}"
 
 
-def read_checkpoint(path, flag="--resume"):
+def read_checkpoint(path):
+    """--resume's checkpoint, or one line saying why not."""
     try:
         return vit.read_checkpoint(path)
     except vit.WeightsError as e:
-        raise ArgError(f"{flag} {e}") from None
+        raise ArgError(f"--resume {e}") from None
 
 
 def load_resume(args):
