@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 import barter
-import baselines
 import data
 import runlog
 import train
