@@ -222,6 +222,13 @@ def unit_budgets(cfg, dense_frac, head_frac=None, mlp_frac=None):
     return budget, lo, hi
 
 
+def shares_budget(budgets):
+    """Whether heads and channels share one budget of weights ('shared') or keep two ('separate')."""
+    if budgets not in ("shared", "separate"):
+        raise ValueError(f"budgets must be 'shared' or 'separate', got {budgets!r}")
+    return budgets == "shared"
+
+
 class Barter:
     name = "barter"
     grows = ("clone", "fresh")  # the ways it may grow (train.py's --grow)
@@ -237,12 +244,10 @@ class Barter:
         heads are swapped within their kind like channels)."""
         if grow not in self.grows:
             raise ValueError(f"grow must be one of {self.grows}, got {grow!r}")
-        if budgets not in ("shared", "separate"):
-            raise ValueError(f"budgets must be 'shared' or 'separate', got {budgets!r}")
         self.start, self.lo, self.hi = unit_budgets(model.cfg, dense_frac, head_frac, mlp_frac)
         self.rate = channels_per_head(model.cfg)
         self.weights = self.start["heads"] * self.rate + self.start["mlp"]  # fixed: the weight density
-        self.model, self.schedule, self.eps, self.grow, self.shared = model, schedule, eps, grow, budgets == "shared"
+        self.model, self.schedule, self.eps, self.grow, self.shared = model, schedule, eps, grow, shares_budget(budgets)
         self.gen = torch.Generator().manual_seed(seed)
         self.reset_stats()
         self.fresh = {k: [torch.zeros(n, dtype=torch.bool) for n in model.counts(k)] for k in KINDS}

@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
-from barter import Barter, accumulate, all_mean, channels_per_head, choose, round_half_up, taylor_scores, uniform, unit_budgets
+from barter import (Barter, accumulate, all_mean, channels_per_head, choose, round_half_up, shares_budget, taylor_scores,
+                    uniform, unit_budgets)
 from vit import KINDS, leaf, per_row
 
 
@@ -140,11 +141,9 @@ class Masked(MaskedMethod):
 
     def __init__(self, model, schedule, dense_frac=0.1, head_frac=None, mlp_frac=None, seed=0, budgets="shared"):
         super().__init__(model, schedule, seed)
-        if budgets not in ("shared", "separate"):
-            raise ValueError(f"budgets must be 'shared' or 'separate', got {budgets!r}")
         cfg = model.cfg
         self.start, self.lo, self.hi = unit_budgets(cfg, dense_frac, head_frac, mlp_frac)
-        self.rate, self.shared = channels_per_head(cfg), budgets == "shared"
+        self.rate, self.shared = channels_per_head(cfg), shares_budget(budgets)
         self.weights = self.start["heads"] * self.rate + self.start["mlp"]
         dense = {"heads": cfg.num_heads, "mlp": cfg.mlp_hidden}
         # the same first units as BARTER's compact init: both start from the identical function

@@ -490,6 +490,9 @@ def read(path):
         raise WeightsError(f"{path!r} is not a readable torch file ({type(e).__name__})") from None
 
 
+DROP = object()  # what plain() leaves out
+
+
 def plain(obj):
     """obj with every container made a dict, list or tuple and every leaf a tensor, number, string or None
     (an object with a __dict__, such as argparse.Namespace, becomes the dict of its attributes); what has
@@ -506,8 +509,6 @@ def plain(obj):
         return kept if isinstance(obj, list) else tuple(kept)
     return plain(vars(obj)) if hasattr(obj, "__dict__") else DROP
 
-
-DROP = object()
 
 
 def convert_trusted(src, dst):
