@@ -367,6 +367,7 @@ class Unstructured(MaskedMethod):
                 if torch.is_tensor(v) and v.shape == W.shape:
                     v.view(-1)[grow] = 0
             moved += n
+        for _, _, p in self.masks.values():  # every layer's dense gradient goes, moved or not (else each step keeps one)
             p.capture, p.grad = False, None
         self.apply_masks(optimizer)
         self.check_zero(optimizer)

@@ -99,7 +99,7 @@ class Config:
                                                                 cfg, fracs, units)
         self.mem_spec = (model_name, method, density, batch_size, str(device), bf16, cfg, fracs, split, graph)  # for peak_memory
         self.amp = autocast(device, bf16)
-        self.step = Stepper(self.model, self.meth, self.opt, self.amp, 1.0, 0.1, Graph() if graph else None)
+        self.step = Stepper(self.model, self.meth, self.opt, self.amp, 1.0, 0.1, Graph(device) if graph else None)
         self.step.fwd = torch.compile(self.model) if compile else self.model
         self.device, self.graph, self.t, self.times = device, graph, 0, []
 

@@ -9,6 +9,7 @@ processes a run has (one, or the ranks of a torchrun job, Ranks).
 """
 import os
 import resource
+import warnings
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -20,39 +21,61 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 def train_step(model, fwd, method, opt, x, y, amp, clip=0.0, smoothing=0.0):
     """Forward, backward, the method's statistics, clipping and the optimizer step: device work only, no
     host sync and no tensor made from host values, so that it can be captured as one CUDA graph.
-    Returns the loss (a device tensor)."""
+    Returns the loss (a device tensor), NaN where the gradient was not finite."""
     with amp:
         loss = F.cross_entropy(fwd(x), y, label_smoothing=smoothing)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     method.after_backward(opt)  # statistics come from this step's gradients, before clipping
     if clip:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # scales by min(1, clip / norm) on the device
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # scales by min(1, clip / norm) on the device
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     opt.step()
-    return loss.detach()
+    # an inf or NaN gradient (which clipping lets through) spoils the weights while this step's loss is still
+    # finite: it makes the returned loss NaN (0 * inf and 0 * NaN are NaN, 0 * a number is 0), so the caller's
+    # check of the loss stops the run before a checkpoint holds those weights, with no host sync here
+    return loss.detach() + 0 * norm
 
 
 class Graph:
     """torch.cuda.CUDAGraph as the Stepper uses it (the tests hand it a stand-in with the same methods).
     capture(fn) records fn's kernels without running them and keeps fn's output, whose memory every
-    replay() refills. All captures draw on one memory pool and the graph before is freed first, so a
-    run that captures again after every update does not grow its reserved memory. Warm-up and capture
-    share one side stream, as PyTorch's docs on whole-network capture ask."""
+    replay() refills. What the graph uses belongs to the model's device, whatever the current device is
+    (captured on another, a graph records nothing and every replay does nothing): the side stream that
+    warm-up and capture share, as PyTorch's notes on whole-network capture ask, and one memory pool held
+    for the whole run. Every capture draws on that pool and the graph before gives its memory back to it,
+    so a run that captures again after every update does not grow its reserved memory; a pool handle
+    instead dies with its last graph, and capturing into it again while one of its tensors lives (a
+    replayed loss, say) trips the allocator. The capture forbids unsafe CUDA calls in this thread only:
+    a DataLoader's pin-memory thread keeps calling the CUDA runtime meanwhile. A capture that recorded
+    nothing is an error, not torch's warning."""
 
-    def __init__(self):
-        self.pool, self.stream, self.graph, self.out = torch.cuda.graph_pool_handle(), torch.cuda.Stream(), None, None
+    def __init__(self, device):
+        self.graph = self.out = None  # set before the pool: attributes are freed in the order they were set
+        self.device = torch.device(device)
+        with torch.cuda.device(self.device):
+            self.pool, self.stream = torch.cuda.MemPool(), torch.cuda.Stream()
 
     @contextmanager
     def side_stream(self):
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            yield
-        torch.cuda.current_stream().wait_stream(self.stream)
+        with torch.cuda.device(self.device):
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                yield
+            torch.cuda.current_stream().wait_stream(self.stream)
 
     def capture(self, fn):
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=self.pool, stream=self.stream):
-            self.out = fn()
+        with torch.cuda.device(self.device), warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with torch.cuda.graph(self.graph, pool=self.pool.id, stream=self.stream, capture_error_mode="thread_local"):
+                self.out = fn()
+        for w in seen:
+            if "CUDA Graph is empty" in str(w.message):
+                self.release()
+                raise RuntimeError(f"the captured step recorded no kernel on {self.device}: its replays would do nothing")
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)  # any other warning, as it was
 
     def replay(self):
         self.graph.replay()
@@ -128,8 +151,14 @@ def make_optimizer(model, lr, weight_decay, fused=None):
     dev = next(model.parameters()).device
     fused = dev.type == "cuda" if fused is None else fused
     kw = dict(fused=True, capturable=dev.type == "cuda", lr=torch.tensor(float(lr), device=dev)) if fused else dict(lr=lr)
-    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], betas=(0.9, 0.999), **kw)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], betas=(0.9, 0.999), **kw)
+    # torch warns once that a capturable optimizer stepping outside a capture may be slower. Not this one:
+    # the fused kernel is the same either way (torch's fused AdamW takes the flag for consistency only), and
+    # eager steps are expected (warm-up before a capture, an update's step, every step of an eager or
+    # torchrun run). Its own warn-once flag, set as if it had warned
+    opt._warned_capturable_if_run_uncaptured = True
+    return opt
 
 
 def set_lr(opt, lr):
@@ -256,7 +285,8 @@ class Ranks:
         self.device = pick_device(device_name)
         if self.device.type == "cuda" and self.world > 1:
             self.device = torch.device("cuda", self.local)
-            torch.cuda.set_device(self.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # cuda:N or a rank's GPU: what torch makes without a device goes there
         self.owns_group = self.world > 1 and not dist.is_initialized()
         self.compiled_shapes = None  # the parameter shapes dynamo last compiled (wrap)
         if self.owns_group:

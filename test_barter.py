@@ -15,7 +15,8 @@ import statistics
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
+import warnings
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 
 import pytest
@@ -26,9 +27,9 @@ import barter
 import data
 import runlog
 import train
-from barter import Barter, Schedule, taylor_scores, unit_budgets
+from barter import Barter, Schedule, round_half_up, taylor_scores, unit_budgets
 from baselines import BiDST, Masked, Unstructured, erk_densities
-from step import EMA, Graph, Stepper, autocast, evaluate, load_optimizer, make_optimizer, set_lr, train_step
+from step import EMA, Graph, Ranks, Stepper, autocast, evaluate, load_optimizer, make_optimizer, set_lr, train_step
 import vit
 from vit import PRESETS, ViT, from_torchvision, leaf, resize
 
@@ -684,6 +685,24 @@ def test_masked_weights_and_state_stay_zero(method):
         assert torch.count_nonzero(avg[off]) == 0 and not torch.equal(avg[~off], W[~off]), name
 
 
+@pytest.mark.parametrize("method", ["masked", "rigl", "set"])
+def test_no_layer_keeps_a_dense_gradient_after_an_update(method):
+    """A method that grows by the dense gradient takes it at an update step only: after every step no mask
+    holds one, nor the hook that makes each backward keep one, a layer that moved nothing included."""
+    m = micro(dtype=torch.float32)
+    sched = Schedule(total_steps=40, update_every=4, alpha0=0.01, end_frac=0.9)  # late updates move few weights
+    meth = train.make_method(method, m, sched, 0.3)
+    meth.init_model()
+    step = Stepper(m, meth, make_optimizer(m, 1e-3, 0.05), nullcontext(), clip=1.0)
+    for t in range(1, 41):
+        step(*batch(16, seed=t, dtype=torch.float32), t)
+        held = [n for n, (_, _, p) in meth.masks.items() if p.capture or p.grad is not None]
+        assert not held, (t, held)
+    if method != "masked":  # the case that kept them: an update at which some layer moved nothing, others some
+        moves = [[round_half_up(sched.alpha(t) * k) for k in meth.k.values()] for t in range(1, 41) if sched.is_update(t)]
+        assert any(0 in n and max(n) > 0 for n in moves)
+
+
 def test_structured_density_from_masks():
     m, meth, opt, _, _ = run("masked", steps=30)
     for i, b in enumerate(m.blocks):  # count units from the masks themselves
@@ -1003,6 +1022,29 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monke
     assert ck["step"] == 78 and torch.isfinite(ck["model"]["head.weight"]).all()
 
 
+def test_nonfinite_gradient_stops_before_a_checkpoint_holds_its_weights(tmp_path, monkeypatch, capsys):
+    real, steps = train_step, []
+
+    def poisoned(model, *args, **kw):  # step 156 ends epoch 2 (78 steps each), between two checks of the loss
+        steps.append(1)
+        if len(steps) != 156:
+            return real(model, *args, **kw)
+        hook = model.head.weight.register_hook(lambda g: g * float("inf"))  # this step's loss stays finite
+        try:
+            return real(model, *args, **kw)
+        finally:
+            hook.remove()
+
+    monkeypatch.setattr(sys.modules["step"], "train_step", poisoned)
+    a = targs(tmp_path, epochs=3)
+    with pytest.raises(SystemExit) as e:
+        train.main(a)
+    assert e.value.code == 1 and len(steps) == 156
+    assert "a gradient is not finite in epoch 2" in capsys.readouterr().err
+    ck = torch.load(os.path.join(a.out_dir, "checkpoint.pt"), weights_only=True)
+    assert ck["step"] == 78 and all(torch.isfinite(v).all() for v in ck["model"].values())
+
+
 def test_synthetic_data_is_learnable_and_fixed_by_seed():
     tr, te, info = data.load("synthetic", "data", 50, "cpu")
     assert (info.in_chans, info.img_size, info.num_classes) == (3, 32, 10)
@@ -1065,8 +1107,8 @@ def test_the_step_makes_no_host_sync(method, monkeypatch):
         with pytest.raises(AssertionError, match="host sync"):  # the wire is live
             bool(torch.ones(()))
         set_lr(opt, 5e-4)
-        loss = train_step(m, m, meth, opt, x, y, nullcontext(), clip=1.0, smoothing=0.1)
-    assert torch.isfinite(loss)
+        losses = [train_step(m, m, meth, opt, x, y, nullcontext(), clip=clip, smoothing=0.1) for clip in (1.0, 0.0)]
+    assert all(torch.isfinite(loss) for loss in losses)
 
 
 @pytest.mark.parametrize("method", ["barter", "masked"])
@@ -1165,7 +1207,7 @@ class StandInGraph:
         self.fn = None
 
 
-@pytest.mark.parametrize("method", ["barter", "masked"])
+@pytest.mark.parametrize("method", STEP_METHODS)
 def test_capture_once_per_topology_and_update_steps_eager(method):
     steps, every = 36, 8  # updates at 8, 16, 24, 32 (end_frac 0.9)
     runs = {}
@@ -1182,9 +1224,9 @@ def test_capture_once_per_topology_and_update_steps_eager(method):
             recs += [rec["counts"]] if rec else []
         runs[mode] = (m, meth, graph, eager, recs, step)
     (me, _, _, _, re, _), (mg, meth, graph, eager, rg, step) = runs["eager"], runs["graph"]
-    assert re == rg and len(rg) == 4  # the same topology decisions
-    assert all(torch.equal(p, q) for p, q in zip(me.parameters(), mg.parameters()))
     updates = [t for t in range(1, steps + 1) if meth.updates_at(t)]
+    assert re == rg and len(rg) == len(updates) == (0 if method in ("static", "dense") else 4)  # the same decisions
+    assert all(torch.equal(p, q) for p, q in zip(me.parameters(), mg.parameters()))
     W = Stepper.WARMUP
     # eager: every update step, and the warm-up steps at the start and after each update; the rest replayed
     expect = set(updates) | {u + k for u in [0] + updates for k in range(1, W + 1)}
@@ -1206,6 +1248,81 @@ def test_a_batch_of_another_shape_is_captured_anew():
     assert meth.nacc == len(sizes)
 
 
+class FakeCuda:
+    """The pieces of torch.cuda that step.Graph uses, on the CPU: each records the device that was current
+    when it was made or used. warn: what every capture warns on its way out (as torch does for a graph that
+    recorded nothing)."""
+
+    def __init__(self, monkeypatch, warn=None):
+        self.current, self.made, self.captures = 0, [], []
+        fake = self
+
+        @contextmanager
+        def device(d):
+            prev = fake.current
+            fake.current = torch.device(d).index if torch.device(d).index is not None else prev
+            try:
+                yield
+            finally:
+                fake.current = prev
+
+        class Made:
+            def __init__(self, kind):
+                self.kind, self.device, self.id = kind, fake.current, (0, len(fake.made) + 1)
+                fake.made.append((kind, fake.current))
+
+            def wait_stream(self, other):
+                pass
+
+        @contextmanager
+        def graph(g, pool=None, stream=None, capture_error_mode="global"):
+            fake.captures.append(dict(graph=g, pool=pool, stream=stream, mode=capture_error_mode, device=fake.current))
+            yield
+            if warn:
+                warnings.warn(warn)
+
+        for name, value in dict(device=device, graph=graph, MemPool=lambda: Made("pool"), Stream=lambda: Made("stream"),
+                                CUDAGraph=lambda: Made("graph"), current_stream=lambda: Made("current"),
+                                stream=lambda s: device(s.device), set_device=lambda d: fake.made.append(("set", d))).items():
+            monkeypatch.setattr(torch.cuda, name, value)
+
+
+def test_graph_belongs_to_the_model_device_and_keeps_one_pool(monkeypatch):
+    cuda = FakeCuda(monkeypatch)
+    g = Graph(torch.device("cuda", 1))  # the model on cuda:1, the current device cuda:0
+    assert cuda.made == [("pool", 1), ("stream", 1)] and cuda.current == 0
+    with g.side_stream():  # the warm-up steps
+        assert cuda.current == 1
+    for k in range(3):  # a capture after each update: one pool, one stream, a new graph, all on cuda:1
+        g.capture(lambda: torch.tensor(k))
+        assert int(g.out) == k  # the function ran inside the capture, its output kept
+        g.release()
+    assert [c["device"] for c in cuda.captures] == [1, 1, 1] and cuda.current == 0
+    assert all(c["pool"] == g.pool.id and c["stream"] is g.stream for c in cuda.captures)
+    assert all(c["mode"] == "thread_local" for c in cuda.captures)  # a pin-memory thread may call CUDA meanwhile
+    assert len({id(c["graph"]) for c in cuda.captures}) == 3
+
+
+def test_an_empty_capture_is_an_error_and_other_warnings_pass(monkeypatch):
+    FakeCuda(monkeypatch, warn="The CUDA Graph is empty. This usually means that the graph was attempted to be "
+                               "captured on wrong device or stream.")
+    g = Graph(torch.device("cuda", 0))
+    with pytest.raises(RuntimeError, match="recorded no kernel on cuda:0"):
+        g.capture(lambda: None)
+    assert g.graph is None and g.out is None
+    FakeCuda(monkeypatch, warn="something else")
+    with pytest.warns(UserWarning, match="something else"):
+        Graph(torch.device("cuda", 0)).capture(lambda: None)
+
+
+@pytest.mark.parametrize("name, sets", [("cuda:1", "cuda:1"), ("cuda", None), ("cpu", None)])
+def test_an_indexed_cuda_device_becomes_the_current_one(monkeypatch, name, sets):
+    cuda = FakeCuda(monkeypatch)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert Ranks(name).device == torch.device(name)
+    assert cuda.made == ([("set", torch.device(sets))] if sets else [])
+
+
 def test_graph_capture_without_a_gpu_is_one_clear_line(tmp_path):
     r = subprocess.run([sys.executable, "train.py", "--cuda-graph", "--data", "synthetic", "--model", "micro",
                         "--device", "cpu", "--out-dir", str(tmp_path / "run")], capture_output=True, text=True, cwd=REPO)
@@ -1216,8 +1333,81 @@ def test_graph_capture_without_a_gpu_is_one_clear_line(tmp_path):
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (.ci/gpu runs these)")
 
 
+@pytest.fixture
+def exact_attention():
+    """Attention by its math kernel on CUDA: the fused kernels' backward adds with atomics in an order that
+    changes from run to run, so two runs that should agree would differ in their last bits, grown by every step."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        yield
+
+
 @cuda_only
-def test_cuda_captured_run_equals_the_eager_run(tmp_path):
+@pytest.mark.filterwarnings("error:.*CUDA [Gg]raph:UserWarning", "error:.*capturable:UserWarning")
+@pytest.mark.parametrize("method", STEP_METHODS)
+def test_cuda_every_method_captured_equals_eager(method, exact_attention):
+    """Each method's step replayed from a CUDA graph for 60 steps over two updates (24 and 48) against the eager
+    step: the same topology decisions and weights. bidst draws its noise from CUDA's generator, which a graph
+    advances otherwise than eager steps do: its loss curve alike, its weights not compared."""
+    steps, runs = 60, {}
+    for graph in (False, True):
+        m, meth = method_on_micro(method, device="cuda", update_every=24, steps=steps)
+        step = Stepper(m, meth, make_optimizer(m, 2e-3, 0.05), nullcontext(), clip=1.0,
+                       graph=Graph(torch.device("cuda")) if graph else None)
+        torch.cuda.manual_seed(0)
+        losses, recs = [], []
+        for t in range(1, steps + 1):
+            loss, rec = step(*(v.cuda() for v in batch(16, seed=t, dtype=torch.float32)), t)
+            losses.append(float(loss))
+            recs += [rec["counts"]] if rec else []
+        runs[graph] = (m, losses, recs, step)
+    (me, le, re, _), (mg, lg, rg, sg) = runs[False], runs[True]
+    assert len(re) == len(rg) == (0 if method in ("static", "dense") else 2) and sg.captures == len(re) + 1
+    assert all(math.isfinite(v) for v in lg) and len(set(lg)) > steps // 2  # every replay a step of its own
+    if method == "bidst":
+        tail = statistics.mean(le[-10:])
+        assert abs(statistics.mean(lg[-10:]) - tail) < 0.1 * tail, (le[-10:], lg[-10:])
+    else:
+        assert re == rg
+        for p, q in zip(me.parameters(), mg.parameters()):
+            torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5)
+
+
+@cuda_only
+def test_cuda_an_empty_capture_is_an_error():
+    with pytest.raises(RuntimeError, match="recorded no kernel"):
+        Graph(torch.device("cuda")).capture(lambda: None)
+
+
+@cuda_only
+def test_cuda_graph_trains_from_an_image_folder(tmp_path, exact_attention):
+    """The DataLoader's pin-memory thread calls CUDA while the step is captured: the capture forbids unsafe
+    calls in its own thread only, and the run repeats the eager one."""
+    a = targs(tmp_path, data="folder", data_dir=image_folder(tmp_path / "imgs"), batch_size=4, workers=2, epochs=2,
+              update_every=6, device="cuda", bf16=False)  # 9 steps an epoch, updates at 6 and 12
+    eager, _, _ = train.main(a)
+    graph, _, _ = train.main(replace(a, cuda_graph=True, out_dir=str(tmp_path / "graph")))
+    ups = lambda d: [r["counts"] for r in read_log(d) if r["type"] == "update"]
+    assert len(ups(a.out_dir)) == 2 and ups(str(tmp_path / "graph")) == ups(a.out_dir)
+    for p, q in zip(eager.parameters(), graph.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5)
+
+
+@cuda_only
+def test_cuda_graph_run_resumed_mid_epoch_equals_one_never_stopped(tmp_path, exact_attention):
+    whole = targs(tmp_path, device="cuda", bf16=False, cuda_graph=True, max_steps=100, out_dir=str(tmp_path / "whole"))
+    m1, _, _ = train.main(whole)
+    part = replace(whole, max_steps=45, out_dir=str(tmp_path / "part"))  # 78 steps an epoch: stopped mid-epoch
+    train.main(part)
+    m2, _, _ = train.main(replace(part, max_steps=100, resume=os.path.join(part.out_dir, "checkpoint.pt")))
+    assert m1.counts("heads") == m2.counts("heads") and m1.counts("mlp") == m2.counts("mlp")
+    for (k, p), q in zip(m1.state_dict().items(), m2.state_dict().values()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-7, msg=k)
+
+
+@cuda_only
+def test_cuda_captured_run_equals_the_eager_run(tmp_path, exact_attention):
     a = targs(tmp_path, device="cuda", bf16=False, max_steps=36, update_every=10, dense_frac=0.1)
     eager, _, _ = train.main(a)
     graph, _, _ = train.main(replace(a, cuda_graph=True, out_dir=str(tmp_path / "graph")))
@@ -1234,12 +1424,13 @@ def test_cuda_reserved_memory_stays_flat_over_captures():
     meth = train.make_method("barter", m, Schedule(total_steps=60, update_every=6, end_frac=1.0), 0.1)
     meth.init_model()
     step = Stepper(m, meth, make_optimizer(m, 1e-3, 0.05), autocast(torch.device("cuda"), True),
-                         clip=1.0, graph=Graph())
+                   clip=1.0, graph=Graph(torch.device("cuda")))
     x, y = torch.randn(32, 3, 32, 32, device="cuda"), torch.randint(0, 10, (32,), device="cuda")
-    reserved = []
+    reserved, kept = [], None
     for t in range(1, 37):
         before = step.captures
-        step(x, y, t)
+        loss, _ = step(x, y, t)
+        kept = loss if kept is None and step.captures else kept  # a replayed loss, held past every later capture
         if step.captures > before:
             torch.cuda.synchronize()
             reserved.append(torch.cuda.memory_reserved())
@@ -1251,7 +1442,7 @@ def test_cuda_reserved_memory_stays_flat_over_captures():
 def test_cuda_step_is_clean_under_sync_debug_mode():
     m, meth = method_on_micro("barter", device="cuda", update_every=1000)
     opt = make_optimizer(m, 1e-3, 0.05)
-    step = Stepper(m, meth, opt, autocast(torch.device("cuda"), True), clip=1.0, graph=Graph())
+    step = Stepper(m, meth, opt, autocast(torch.device("cuda"), True), clip=1.0, graph=Graph(torch.device("cuda")))
     x, y = (t.cuda() for t in batch(16, dtype=torch.float32))
     for t in range(1, Stepper.WARMUP + 2):  # warm-up, then the capture
         step(x, y, t)

@@ -419,7 +419,7 @@ def main(args: Args):
 class Run:
     """One training run: set up (or restored from --resume) here, then go(): epochs of steps, each epoch
     evaluated, logged and checkpointed. Ctrl-C or SIGTERM finishes the step, saves and exits (every rank
-    at the same step); a non-finite loss stops the run with the last good checkpoint intact."""
+    at the same step); a non-finite loss or gradient stops the run with the last good checkpoint intact."""
 
     def __init__(self, args, ranks):
         ckpt = load_resume(args) if args.resume else None
@@ -436,7 +436,7 @@ class Run:
         self.step = self.restore(ckpt) if ckpt else 0
         self.graphs = args.cuda_graph and ranks.world == 1  # under DDP the step runs eagerly (said in the first line)
         self.stepper = Stepper(self.model, self.method, self.opt, self.amp, args.clip_grad, args.label_smoothing,
-                               Graph() if self.graphs else None)
+                               Graph(self.device) if self.graphs else None)
         self.stepper.fwd = ranks.wrap(self.model, args.compile)
         self.env = environment(self.device)
         self.counts = {k: self.method.counts(k) for k in ("heads", "mlp")} if args.method in UNIT_METHODS else {}
@@ -543,7 +543,7 @@ class Run:
             if self.step % 20 == 0 or self.step == self.end or stop:
                 shown = ranks.reduce(loss) / ranks.world
                 if not math.isfinite(shown):
-                    raise FloatingPointError(f"loss is {shown} at step {self.step}")
+                    raise FloatingPointError(f"the loss or a gradient is not finite at step {self.step}")
                 bar.set_postfix(loss=f"{shown:.3f}", img_s=f"{n_img / (time.perf_counter() - t0):.0f}")
             if self.step >= self.end or stop:
                 break
@@ -556,7 +556,7 @@ class Run:
                "mem": "cuda-allocator-peak" if dev.type == "cuda" else "process-peak-rss",
                "params": sum(p.numel() for p in self.model.parameters()), "density": self.method.density()}
         if not math.isfinite(rec["train_loss"]):
-            raise FloatingPointError(f"loss is {rec['train_loss']} in epoch {epoch + 1}")
+            raise FloatingPointError(f"the loss or a gradient is not finite in epoch {epoch + 1}")
         rec["test_top1"] = evaluate(self.stepper.fwd, self.test_dl, self.amp, ranks)
         if self.ema:
             with self.ema.swapped_in(self.model):
