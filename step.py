@@ -7,6 +7,7 @@ updates runs eagerly and the step is captured again after it (Stepper). The same
 method, eager or captured. Below it: the optimizer, an average of the weights, evaluation, and the
 processes a run has (one, or the ranks of a torchrun job, Ranks).
 """
+import gc
 import os
 import resource
 import warnings
@@ -67,10 +68,16 @@ class Graph:
 
     def capture(self, fn):
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(self.device), warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            with torch.cuda.graph(self.graph, pool=self.pool.id, stream=self.stream, capture_error_mode="thread_local"):
-                self.out = fn()
+        collecting = gc.isenabled()
+        gc.disable()  # no garbage collection inside a capture: a Graph freed there would free CUDA memory mid-capture
+        try:
+            with torch.cuda.device(self.device), warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                with torch.cuda.graph(self.graph, pool=self.pool.id, stream=self.stream, capture_error_mode="thread_local"):
+                    self.out = fn()
+        finally:
+            if collecting:
+                gc.enable()
         for w in seen:
             if "CUDA Graph is empty" in str(w.message):
                 self.release()
@@ -151,14 +158,11 @@ def make_optimizer(model, lr, weight_decay, fused=None):
     dev = next(model.parameters()).device
     fused = dev.type == "cuda" if fused is None else fused
     kw = dict(fused=True, capturable=dev.type == "cuda", lr=torch.tensor(float(lr), device=dev)) if fused else dict(lr=lr)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], betas=(0.9, 0.999), **kw)
-    # torch warns once that a capturable optimizer stepping outside a capture may be slower. Not this one:
-    # the fused kernel is the same either way (torch's fused AdamW takes the flag for consistency only), and
-    # eager steps are expected (warm-up before a capture, an update's step, every step of an eager or
-    # torchrun run). Its own warn-once flag, set as if it had warned
-    opt._warned_capturable_if_run_uncaptured = True
-    return opt
+    # capturable on CUDA whether or not this run captures: torch refuses to capture the step of an optimizer
+    # that is not, and the fused kernel is the same either way (torch's fused AdamW takes the flag for
+    # consistency only), so an eager step (warm-up, an update's step, an eager or torchrun run) loses nothing
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], betas=(0.9, 0.999), **kw)
 
 
 def set_lr(opt, lr):

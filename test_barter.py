@@ -4,6 +4,7 @@ reference computed here: a hand-written ViT forward with explicit gates, a dense
 hand, torchvision's VisionTransformer, index arithmetic written out independently of vit.unit_rows.
 """
 import copy
+import gc
 import inspect
 import itertools
 import json
@@ -1276,7 +1277,8 @@ class FakeCuda:
 
         @contextmanager
         def graph(g, pool=None, stream=None, capture_error_mode="global"):
-            fake.captures.append(dict(graph=g, pool=pool, stream=stream, mode=capture_error_mode, device=fake.current))
+            fake.captures.append(dict(graph=g, pool=pool, stream=stream, mode=capture_error_mode, device=fake.current,
+                                      collecting=gc.isenabled()))
             yield
             if warn:
                 warnings.warn(warn)
@@ -1300,6 +1302,7 @@ def test_graph_belongs_to_the_model_device_and_keeps_one_pool(monkeypatch):
     assert [c["device"] for c in cuda.captures] == [1, 1, 1] and cuda.current == 0
     assert all(c["pool"] == g.pool.id and c["stream"] is g.stream for c in cuda.captures)
     assert all(c["mode"] == "thread_local" for c in cuda.captures)  # a pin-memory thread may call CUDA meanwhile
+    assert not any(c["collecting"] for c in cuda.captures) and gc.isenabled()  # no garbage collection in a capture
     assert len({id(c["graph"]) for c in cuda.captures}) == 3
 
 
@@ -1344,7 +1347,7 @@ def exact_attention():
 
 
 @cuda_only
-@pytest.mark.filterwarnings("error:.*CUDA [Gg]raph:UserWarning", "error:.*capturable:UserWarning")
+@pytest.mark.filterwarnings("error:.*CUDA [Gg]raph:UserWarning")
 @pytest.mark.parametrize("method", STEP_METHODS)
 def test_cuda_every_method_captured_equals_eager(method, exact_attention):
     """Each method's step replayed from a CUDA graph for 60 steps over two updates (24 and 48) against the eager
