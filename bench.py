@@ -64,6 +64,10 @@ class Args:
     """barter run folders of train.py (or their checkpoint.pt): each is also timed at the units per block it
     holds (where its trades took the split of heads and channels), beside masked and BARTER's start at the
     run's model, density and image size. With --runs and no --models, only the runs are timed"""
+    loaders: bool = False
+    """time the image-folder input pipelines instead: per core, the PIL DataLoader and a prepared folder (the
+    host's gather, and the augmentation on the device) on JPEGs bench makes, beside barter's step at the first
+    of --models (default deit-small) and the lowest density; says which would limit training"""
     out: str = "bench.json"
     """JSON output path"""
 
@@ -271,6 +275,8 @@ def main(a: Args):
     bf16 = a.bf16 if a.bf16 is not None else bf16_supported(device)
     machine = {**train.environment(device), "python": platform.python_version(), "bf16": bf16, "compile": a.compile,
                "cuda_graph": list(a.cuda_graph)}
+    if a.loaders:
+        return loader_bench(a, device, bf16, steps, machine)
     # (group, model, spec, [(method, density, split)]), split as Config takes it; dense once per model: it has no density
     groups = [(m, m, {}, [(meth, d, None) for d in a.densities for meth in a.methods if not (meth == "dense" and d != a.densities[0])])
               for m in models] + [run_group(p) for p in a.runs]
@@ -345,6 +351,99 @@ def time_group(a, device, bf16, steps, group, model_name, spec, todo):
                 with mp.get_context("spawn").Pool(1) as pool:
                     r["peak_mem_mb"] = pool.apply(peak_memory, mem_spec)
     return [r for r, _ in mine], profiles
+
+
+# ---- the input pipelines of an image folder, per core, beside the step they feed ----------------------
+
+LOADER_IMAGES, PREPARED_SIZE = 2000, 160  # JPEGs bench makes; the side S they are prepared at
+
+
+def jpeg_folder(root, n, classes=10, seed=0):
+    """An ImageNet-layout folder of n training JPEGs (and a validation image per class) of ImageNet's typical
+    size, 500 x 375 (a quarter of them portrait): smooth random scenes with grain, at quality 90."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    for split, count in (("train", n), ("val", classes)):
+        for i in range(count):
+            folder = os.path.join(root, split, f"class{i % classes}")
+            os.makedirs(folder, exist_ok=True)
+            h, w = (375, 500) if i % 4 else (500, 375)
+            scene = F.interpolate(torch.rand(1, 3, h // 25, w // 25, generator=g), size=(h, w), mode="bicubic")[0]
+            px = ((scene + 0.05 * torch.randn(3, h, w, generator=g)).clamp(0, 1) * 255).to(torch.uint8)
+            Image.fromarray(px.permute(1, 2, 0).contiguous().numpy()).save(os.path.join(folder, f"{i}.JPEG"), quality=90)
+
+
+def per_second(fn, images, device):
+    """Images per second of fn(), which handles `images` images, timed once (synchronised on CUDA)."""
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return images / (time.perf_counter() - t0)
+
+
+def loader_bench(a, device, bf16, steps, machine):
+    """The rows of --loaders: img/s per core of the PIL path (decode, RandomResizedCrop, flip, ToTensor,
+    Normalize: all on the host), of a prepared folder's host work (the gather into a batch buffer, from
+    the page cache) and of its augmentation on `device` (one core on the CPU), and barter's step."""
+    import tempfile
+
+    import data
+
+    model = (a.models or ("deit-small",))[0]
+    img, density = preset(model).img_size, min(a.densities)
+    bs = a.batch_size or (128 if img <= 64 else 256)
+    threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = os.path.join(tmp, "jpegs"), os.path.join(tmp, "prepared")
+        print(f"making {LOADER_IMAGES} JPEGs of 500 x 375 and preparing them at {PREPARED_SIZE} px")
+        jpeg_folder(src, LOADER_IMAGES)
+        head = data.prepare(src, out, PREPARED_SIZE)
+        torch.set_num_threads(1)  # per core: the loaders below run in this one thread
+        try:
+            pil = data.FolderLoader(src, img, bs, True, workers=0)
+            rates = {"pil": per_second(lambda: [None for _ in pil.epoch(0)], len(pil) * bs, torch.device("cpu"))}
+            prep = data.PreparedLoader(out, head, "train", img, bs, True, device=device)
+            plan = list(prep.plan(0))
+            rates["gather"] = per_second(lambda: [prep.gather(0, i, b) for i, b in plan], len(plan) * bs, torch.device("cpu"))
+            x, _, d = (t.to(device) for t in prep.slots[0])
+            prep.augment(x, d)  # warm-up
+            rates["augment"] = per_second(lambda: [prep.augment(x, d) for _ in range(3)], 3 * bs, device)
+        finally:
+            torch.set_num_threads(threads)
+    c = Config(model, "barter", density, bs, device, bf16, a.compile)
+    c.warm_up(a.warmup)
+    for _ in range(a.rounds):
+        c.timed(steps)
+    step = bs / statistics.median(c.times)
+    rows = [{"pipeline": "pil", "what": "PIL DataLoader: decode, RandomResizedCrop, flip, ToTensor, Normalize", "where": "host"},
+            {"pipeline": "gather", "what": "prepared: gather into the batch buffer", "where": "host"},
+            {"pipeline": "augment", "what": "prepared: crop, resize, flip, normalise in a few batched kernels", "where": str(device)}]
+    for r in rows:
+        r.update(img_per_s_per_core=rates[r["pipeline"]], cores_to_feed_step=step / rates[r["pipeline"]])
+    result = {"command": "python bench.py " + " ".join(sys.argv[1:]), "machine": machine, "args": asdict(a),
+              "model": model, "density": density, "batch_size": bs, "img_size": img, "prepared_size": PREPARED_SIZE,
+              "step_img_per_s": step, "rows": rows}
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(loader_table(result))
+    return result
+
+
+def loader_table(result):
+    lines = [f"{result['machine']['device']}, torch {result['machine']['torch']}: {result['model']} at {result['img_size']} px, batch "
+             f"{result['batch_size']}; prepared at {result['prepared_size']} px; barter's step at d = {result['density']}: "
+             f"{result['step_img_per_s']:.0f} img/s", "",
+             "| pipeline | where | img/s per core | step's img/s over it |", "|---|---|---|---|"]
+    lines += [f"| {r['what']} | {r['where']} | {r['img_per_s_per_core']:.0f} | {r['cores_to_feed_step']:.2f} |" for r in result["rows"]]
+    host = {r["pipeline"]: r for r in result["rows"]}
+    lines += ["", "The last column: on the host, the cores it takes to feed the step; on a GPU, the share of the step's "
+              "time the augmentation adds.", f"Host work per image: {1e3 / host['pil']['img_per_s_per_core']:.3f} ms on the PIL path, "
+              f"{1e3 / host['gather']['img_per_s_per_core']:.4f} ms prepared ({host['gather']['img_per_s_per_core'] / host['pil']['img_per_s_per_core']:.0f}x less). "
+              f"Fed by one core, the {'PIL path' if host['pil']['cores_to_feed_step'] > 1 else 'step'} would be the limit on the PIL "
+              f"path and the {'loader' if host['gather']['cores_to_feed_step'] > 1 else 'step'} on the prepared one."]
+    return "\n".join(lines)
 
 
 def label(r):

@@ -803,6 +803,7 @@ def test_main_smoke_every_method(tmp_path, method):
     assert len(ep) == 1 and ep[0]["step"] == 22 and ep[0]["type"] == "partial-epoch"  # 78 steps per epoch
     for key in ("train_loss", "test_top1", "img_per_s", "peak_mem_mb", "params", "density"):
         assert key in ep[-1] and ep[-1][key] == ep[-1][key]
+    assert 0 <= ep[-1]["data_wait"] < 1  # the share of the epoch the loop waited for batches
     ups = [r for r in log if r["type"] == "update"]
     assert len(ups) == (0 if method in ("dense", "static") else 2)
     ck = torch.load(os.path.join(a.out_dir, "checkpoint.pt"), weights_only=True)
@@ -1508,6 +1509,20 @@ def test_bench_smoke_writes_every_field(tmp_path, device):
     assert shape == (int(3.8 * 80), 11 * 80, 3) and colours > 20
 
 
+def test_bench_times_the_loaders_beside_the_step(tmp_path, monkeypatch, capsys):
+    import bench
+
+    monkeypatch.setattr(bench, "LOADER_IMAGES", 24)
+    res = bench.main(bench.Args(models=("micro",), batch_size=8, densities=(0.3,), steps=1, rounds=1, warmup=1,
+                                loaders=True, out=str(tmp_path / "loaders.json")))
+    assert json.loads((tmp_path / "loaders.json").read_text())["rows"] == res["rows"]
+    assert [r["pipeline"] for r in res["rows"]] == ["pil", "gather", "augment"] and res["img_size"] == 32
+    for r in res["rows"]:
+        assert r["img_per_s_per_core"] > 0
+        assert r["cores_to_feed_step"] == pytest.approx(res["step_img_per_s"] / r["img_per_s_per_core"])
+    assert "Host work per image" in capsys.readouterr().out
+
+
 def test_bench_keeps_every_configuration_compiled(tmp_path, counting_compile):
     import bench
 
@@ -1611,6 +1626,170 @@ def test_image_folder_resumes_mid_epoch_with_the_same_augmented_batches(tmp_path
     other = list(data.FolderLoader(root, 32, 8, True, seed=0, workers=0).epoch(2))
     first = torch.cat([x for x, _ in whole]).flatten(1)
     assert not any(torch.equal(a, b) for a in first for b in torch.cat([x for x, _ in other]).flatten(1))
+
+
+# ---- issue 85: an image folder prepared once, read through a memory map, augmented on the device ------
+
+def awkward_folder(root):
+    """An image folder with what ImageNet holds: a grey JPEG, a CMYK JPEG, a PNG named .JPEG, a truncated
+    JPEG, and a class with a single image; sizes that are neither square nor alike."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(5)
+    img = lambda h, w: Image.fromarray((torch.rand(h, w, 3, generator=g) * 255).to(torch.uint8).numpy())
+    for d in ("train/ant", "train/bee", "val/ant", "val/bee"):
+        os.makedirs(root / d)
+    img(30, 40).convert("L").save(root / "train/ant/grey.JPEG", "JPEG")
+    img(50, 36).convert("CMYK").save(root / "train/ant/cmyk.JPEG", "JPEG")
+    img(24, 24).save(root / "train/ant/png.JPEG", "PNG")
+    img(41, 33).save(root / "train/ant/ok.jpg", "JPEG")
+    img(40, 40).save(root / "train/ant/zz-truncated.JPEG", "JPEG")
+    with open(root / "train/ant/zz-truncated.JPEG", "r+b") as f:
+        f.truncate(200)
+    img(35, 45).save(root / "train/bee/only.png")
+    img(20, 28).save(root / "val/ant/a.png")
+    img(28, 20).save(root / "val/bee/b.jpg", "JPEG")
+    return str(root)
+
+
+def pil_square(path, S):
+    """The reference, written out with PIL alone: RGB, short side to S (bilinear), the centre S x S."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        im = im.convert("RGB")
+        w, h = im.size
+        w2, h2 = (S, int(S * h / w)) if w <= h else (int(S * w / h), S)
+        im = im.resize((w2, h2), Image.BILINEAR)
+        top, left = int(round((h2 - S) / 2)), int(round((w2 - S) / 2))
+        return torch.frombuffer(bytearray(im.crop((left, top, left + S, top + S)).tobytes()), dtype=torch.uint8).view(S, S, 3)
+
+
+def test_prepare_converts_as_pil_does_and_lists_what_it_cannot_read(tmp_path, capsys):
+    src = awkward_folder(tmp_path / "src")
+    head = data.prepare(src, str(tmp_path / "out"), 16, workers=2)
+    assert head["classes"] == ["ant", "bee"] and head["counts"] == {"train": 6, "val": 2} and head["size"] == 16
+    assert "1 files could not be read" in capsys.readouterr().out
+    (bad,) = head["unreadable"]["train"]
+    assert bad["file"] == os.path.join("train", "ant", "zz-truncated.JPEG") and bad["error"] and not head["unreadable"]["val"]
+    tr = data.PreparedLoader(str(tmp_path / "out"), head, "train", 16, 2, True)
+    assert tr.keep.tolist() == [i for i in range(6) if i != bad["index"]]  # left out of every epoch
+    for split in ("train", "val"):
+        files = data.listing(src, split, head["classes"])
+        ld = data.PreparedLoader(str(tmp_path / "out"), head, split, 16, 2, split == "train")
+        assert ld.y.tolist() == [label for _, label in files] == sorted(ld.y.tolist())
+        for i in ld.keep.tolist():
+            assert torch.equal(ld.x[i], pil_square(os.path.join(src, files[i][0]), 16)), files[i]
+    assert data.prepare(src, str(tmp_path / "out"), 16)["counts"] == head["counts"]  # done: nothing to do again
+
+
+def test_prepare_continues_after_an_interruption(tmp_path, monkeypatch):
+    src = awkward_folder(tmp_path / "src")
+    whole = data.prepare(src, str(tmp_path / "whole"), 12, workers=0)
+    monkeypatch.setattr(data, "CHUNK", 2)  # 3 + 1 chunks
+    real, calls = data.convert_chunk, []
+
+    def interrupted(task):
+        calls.append(task[1:3])
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(task)
+
+    monkeypatch.setattr(data, "convert_chunk", interrupted)
+    out = str(tmp_path / "out")
+    with pytest.raises(data.DataError, match="interrupted .* run the same command again"):
+        data.prepare(src, out, 12, workers=0)
+    assert not os.path.exists(os.path.join(out, data.HEADER)) and "has not finished" in data.folder_problem(out)
+    monkeypatch.setattr(data, "convert_chunk", real)
+    head = data.prepare(src, out, 12, workers=0)
+    assert head["unreadable"] == whole["unreadable"] and not os.path.exists(os.path.join(out, data.PROGRESS))
+    for f in ("train.u8", "train.labels", "val.u8", "val.labels"):
+        assert (tmp_path / "out" / f).read_bytes() == (tmp_path / "whole" / f).read_bytes(), f
+    with pytest.raises(data.DataError, match="another preparation"):
+        data.prepare(src, out, 8, workers=0)
+
+
+def test_prepare_refuses_bad_sources_in_one_line(tmp_path):
+    (tmp_path / "none").mkdir()
+    os.makedirs(tmp_path / "empty/train/ant")
+    os.makedirs(tmp_path / "empty/val")
+    os.makedirs(tmp_path / "noclass/train")
+    os.makedirs(tmp_path / "noclass/val")
+    awkward_folder(tmp_path / "extra")
+    os.makedirs(tmp_path / "extra/val/cat")
+    for src, message in (("none", "needs train/ and val/"), ("empty", "train/ holds no image file"),
+                         ("noclass", "train/ has no class folders"), ("extra", "val/ has classes train/ lacks: cat")):
+        with pytest.raises(data.DataError, match=message):
+            data.prepare(str(tmp_path / src), str(tmp_path / "out"), 16, workers=0)
+    r = subprocess.run([sys.executable, "data.py", "--src", str(tmp_path / "none"), "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "needs train/ and val/" in r.stderr
+
+
+def test_batched_crop_equals_torchvision_resized_crop():
+    import torchvision.transforms.v2.functional as TF2
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(7, 3, 20, 24, generator=g, dtype=torch.float64)
+    # boxes: enlarged (the prepared path's case), at the edges, the whole image, shrunk; flipped or not
+    boxes = torch.tensor([[0, 0, 5, 7, 0], [15, 17, 5, 7, 1], [3, 2, 11, 9, 1], [0, 0, 20, 24, 0], [4, 6, 1, 1, 0],
+                          [2, 1, 18, 22, 1], [7, 3, 9, 16, 0]], dtype=torch.float64)
+    for out in (16, 9):
+        got = data.crop_resize(x, boxes, out)
+        for img, (t, l, h, w, f), o in zip(x, boxes.tolist(), got):
+            ref = TF2.resized_crop(img, int(t), int(l), int(h), int(w), [out, out], antialias=False)
+            torch.testing.assert_close(o, TF2.horizontal_flip(ref) if f else ref, rtol=0, atol=1e-12)
+    flipped = data.crop_resize(x, torch.cat([boxes[:, :4], 1 - boxes[:, 4:]], 1), 16)
+    assert torch.equal(flipped, data.crop_resize(x, boxes, 16).flip(-1))  # a flip mirrors exactly
+
+
+def test_random_boxes_are_random_resized_crops():
+    b = data.random_boxes(4000, 40, torch.Generator().manual_seed(1))
+    top, left, h, w, flip = b.unbind(1)
+    assert torch.equal(b, data.random_boxes(4000, 40, torch.Generator().manual_seed(1)))  # a function of the seed
+    assert (top >= 0).all() and (left >= 0).all() and (top + h <= 40).all() and (left + w <= 40).all()
+    assert (h >= 1).all() and (w >= 1).all() and (b == b.round()).all()
+    frac, aspect = h * w / 1600, w / h
+    assert frac.min() > 0.06 and frac.max() <= 1 and aspect.min() > 0.7 and aspect.max() < 1.45  # rounding's slack
+    assert 0.45 < flip.mean() < 0.55 and 0.4 < frac.mean() < 0.7  # uniform area fraction in [0.08, 1]: mean 0.54
+
+
+def test_prepared_folder_batches_resume_and_split_over_ranks(tmp_path):
+    out = str(tmp_path / "out")
+    head = data.prepare(image_folder(tmp_path / "imgs"), out, 20, workers=0)
+    make = lambda **kw: data.PreparedLoader(out, head, "train", 16, 8, True, seed=3, **kw)
+    whole = list(make().epoch(1))
+    assert len(whole) == 4 and all(x.shape == (8, 3, 16, 16) for x, _ in whole)
+    rest = list(make().epoch(1, start=2))
+    assert all(torch.equal(x, wx) and torch.equal(y, wy) for (x, y), (wx, wy) in zip(rest, whole[2:])) and len(rest) == 2
+    shares = [list(make(rank=r, world=2).epoch(1)) for r in (0, 1)]
+    for (x0, y0), (x1, y1), (x, y) in zip(*shares, whole):  # disjoint halves that make up each batch
+        assert torch.equal(torch.cat([x0, x1]), x) and torch.equal(torch.cat([y0, y1]), y) and len(y0) == len(y1) == 4
+    other = list(make().epoch(2))
+    assert not torch.equal(torch.cat([x for x, _ in other]), torch.cat([x for x, _ in whole]))
+    # evaluation: every image once, the PIL path's centre crop, normalised with ImageNet's statistics
+    val = data.PreparedLoader(out, head, "val", 16, 5, False)
+    xs, ys = zip(*val.epoch(0))
+    assert [len(y) for y in ys] == [5, 5, 2] and torch.cat(ys).tolist() == val.y.tolist()
+    raw = val.x.permute(0, 3, 1, 2).double() / 255
+    c, t = round(20 * 7 / 8), int(round((20 - round(20 * 7 / 8)) / 2))
+    import torchvision.transforms.v2.functional as TF2
+    ref = TF2.normalize(TF2.resized_crop(raw, t, t, c, c, [16, 16], antialias=False), [0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+    torch.testing.assert_close(torch.cat(xs).double(), ref, rtol=0, atol=1e-5)
+
+
+def test_prepared_folder_trains_through_main(tmp_path):
+    out = str(tmp_path / "out")
+    data.prepare(image_folder(tmp_path / "imgs"), out, 24, workers=0)
+    a = targs(tmp_path, data="folder", data_dir=out, batch_size=8, epochs=2, update_every=2, img_size=32)
+    model, _, _ = train.main(a)
+    log = read_log(a.out_dir)
+    ep = [r for r in log if r["type"] == "epoch"]
+    assert model.head.out_features == 3 and len(ep) == 2 and all(0 <= r["data_wait"] < 1 for r in ep)
+    os.remove(os.path.join(out, data.HEADER))
+    (tmp_path / "out" / data.PROGRESS).write_text("{}")
+    with pytest.raises(train.ArgError, match="has not finished"):
+        train.validate(replace(a, out_dir=str(tmp_path / "again")))
 
 
 # ---- issue 9: static control, Fashion-MNIST offline, no flipped digits, study.py -------------------

@@ -103,7 +103,7 @@ class Args:
     """capture the step as one CUDA graph and replay it, so that Python's launches no longer bound a compact
     model's step; captured again after each update. CUDA, one process. Not yet the default: untested on a GPU"""
     workers: int = 8
-    """DataLoader workers, for --data folder only"""
+    """DataLoader workers for an image folder (a prepared one is read by one thread)"""
     out_dir: Optional[str] = None
     """log and checkpoints (None: runs/METHOD-dDENSITY-MODEL-DATA-sSEED)"""
     resume: Optional[str] = None
@@ -527,7 +527,8 @@ class Run:
         t0, n_img, n_steps, loss_sum, stop = time.perf_counter(), 0, 0, torch.zeros((), device=dev), False
         bar = tqdm(total=min(self.spe, self.end - epoch * self.spe), initial=first, desc=f"epoch {epoch + 1}/{math.ceil(a.epochs)}",
                    leave=False, disable=None if ranks.main else True)
-        for x, y in self.train_dl.epoch(epoch, first):
+        batches = data.Waiting(self.train_dl.epoch(epoch, first))
+        for x, y in batches:
             self.step += 1
             set_lr(self.opt, self.lr_at(self.step))
             loss, rec = self.stepper(x, y, self.step)
@@ -544,7 +545,8 @@ class Run:
                 shown = ranks.reduce(loss) / ranks.world
                 if not math.isfinite(shown):
                     raise FloatingPointError(f"the loss or a gradient is not finite at step {self.step}")
-                bar.set_postfix(loss=f"{shown:.3f}", img_s=f"{n_img / (time.perf_counter() - t0):.0f}")
+                elapsed = time.perf_counter() - t0
+                bar.set_postfix(loss=f"{shown:.3f}", img_s=f"{n_img / elapsed:.0f}", data_wait=f"{batches.seconds / elapsed:.0%}")
             if self.step >= self.end or stop:
                 break
         sync(dev)
@@ -552,7 +554,7 @@ class Run:
         bar.close()
         rec = {"type": "epoch" if self.step % self.spe == 0 else "partial-epoch", "epoch": epoch + 1, "step": self.step,
                "train_loss": ranks.reduce(loss_sum) / ranks.world / max(n_steps, 1), "seconds": seconds,
-               "img_per_s": n_img / seconds, "peak_mem_mb": ranks.reduce(peak_memory_mb(dev), "max"),
+               "img_per_s": n_img / seconds, "data_wait": batches.seconds / seconds, "peak_mem_mb": ranks.reduce(peak_memory_mb(dev), "max"),
                "mem": "cuda-allocator-peak" if dev.type == "cuda" else "process-peak-rss",
                "params": sum(p.numel() for p in self.model.parameters()), "density": self.method.density()}
         if not math.isfinite(rec["train_loss"]):
@@ -563,7 +565,8 @@ class Run:
                 rec["test_top1_ema"] = evaluate(self.stepper.fwd, self.test_dl, self.amp, ranks)
         tqdm.write(f"epoch {epoch + 1} step {self.step}: loss {rec['train_loss']:.4f} top-1 {rec['test_top1']:.4f} "
                    + (f"(average {rec['test_top1_ema']:.4f}) " if self.ema else "") +
-                   f"{rec['img_per_s']:.0f} img/s peak {rec['peak_mem_mb']:.0f} MB density {rec['density']:.4f}")
+                   f"{rec['img_per_s']:.0f} img/s ({rec['data_wait']:.0%} waiting for data) peak {rec['peak_mem_mb']:.0f} MB "
+                   f"density {rec['density']:.4f}")
         self.log.write(json.dumps(rec) + "\n")
         self.log.flush()
         self.checkpoint()
