@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import runlog
 import train
-import vit
+import weights
 from step import Graph, Stepper, autocast, bf16_supported, make_optimizer, sync
 from barter import Schedule
 from vit import ViT, ViTConfig, preset
@@ -68,6 +69,10 @@ class Args:
     """time the image-folder input pipelines instead: per core, the PIL DataLoader and a prepared folder (the
     host's gather, and the augmentation on the device) on JPEGs bench makes, beside barter's step at the first
     of --models (default deit-small) and the lowest density; says which would limit training"""
+    inference: bool = False
+    """time inference instead, on the CPU: the first of --models (default deit-small) at each of --densities as
+    BARTER's compact start, published, and dense: batch-1 latency (one thread and all) and batch-64 throughput,
+    eager (torch.inference_mode) and in ONNX Runtime, beside the multiply-add ratio"""
     out: str = "bench.json"
     """JSON output path"""
 
@@ -249,8 +254,8 @@ def run_group(path):
     BARTER at the units per block the run's checkpoint holds. Returns (group, model, spec, [(method, density, split)])."""
     f = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
     try:
-        ck = vit.read_checkpoint(f)
-    except vit.WeightsError as e:
+        ck = weights.read_checkpoint(f)
+    except weights.WeightsError as e:
         raise SystemExit(f"error: --runs {e}") from None
     a = ck["args"]
     if a["method"] != "barter":
@@ -273,10 +278,12 @@ def main(a: Args):
     steps = a.steps or (10 if device.type == "cuda" else 2)
     models = a.models or (() if a.runs else ("cifar-tiny", "deit-small") if device.type == "cuda" else ("cifar-tiny",))
     bf16 = a.bf16 if a.bf16 is not None else bf16_supported(device)
-    machine = {**train.environment(device), "python": platform.python_version(), "bf16": bf16, "compile": a.compile,
+    machine = {**runlog.environment(device), "python": platform.python_version(), "bf16": bf16, "compile": a.compile,
                "cuda_graph": list(a.cuda_graph)}
     if a.loaders:
         return loader_bench(a, device, bf16, steps, machine)
+    if a.inference:
+        return inference_bench(a, machine)
     # (group, model, spec, [(method, density, split)]), split as Config takes it; dense once per model: it has no density
     groups = [(m, m, {}, [(meth, d, None) for d in a.densities for meth in a.methods if not (meth == "dense" and d != a.densities[0])])
               for m in models] + [run_group(p) for p in a.runs]
@@ -295,11 +302,16 @@ def main(a: Args):
                 r["mem_vs_masked"] = r["peak_mem_mb"] / ref["peak_mem_mb"]
         if eager and r["cuda_graph"]:
             r["speedup_vs_eager_masked"] = eager["step_ms"] / r["step_ms"]
-    result = {"command": "python bench.py " + " ".join(sys.argv[1:]), "machine": machine, "args": asdict(a),
-              "steps_per_round": steps, "rows": rows, "profiles": profiles}
+    return written(a, machine, lambda r: "\n\n".join([table(r)] + profiles), steps_per_round=steps, rows=rows, profiles=profiles)
+
+
+def written(a, machine, show, **fields):
+    """A bench's result (its command, machine and arguments beside `fields`) written to --out as JSON, and
+    shown (show: result -> the text printed)."""
+    result = {"command": "python bench.py " + " ".join(sys.argv[1:]), "machine": machine, "args": asdict(a), **fields}
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
-    print("\n\n".join([table(result)] + profiles))
+    print(show(result))
     return result
 
 
@@ -422,13 +434,8 @@ def loader_bench(a, device, bf16, steps, machine):
             {"pipeline": "augment", "what": "prepared: crop, resize, flip, normalise in a few batched kernels", "where": str(device)}]
     for r in rows:
         r.update(img_per_s_per_core=rates[r["pipeline"]], cores_to_feed_step=step / rates[r["pipeline"]])
-    result = {"command": "python bench.py " + " ".join(sys.argv[1:]), "machine": machine, "args": asdict(a),
-              "model": model, "density": density, "batch_size": bs, "img_size": img, "prepared_size": PREPARED_SIZE,
-              "step_img_per_s": step, "rows": rows}
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(loader_table(result))
-    return result
+    return written(a, machine, loader_table, model=model, density=density, batch_size=bs, img_size=img,
+                   prepared_size=PREPARED_SIZE, step_img_per_s=step, rows=rows)
 
 
 def loader_table(result):
@@ -443,6 +450,90 @@ def loader_table(result):
               f"{1e3 / host['gather']['img_per_s_per_core']:.4f} ms prepared ({host['gather']['img_per_s_per_core'] / host['pil']['img_per_s_per_core']:.0f}x less). "
               f"Fed by one core, the {'PIL path' if host['pil']['cores_to_feed_step'] > 1 else 'step'} would be the limit on the PIL "
               f"path and the {'loader' if host['gather']['cores_to_feed_step'] > 1 else 'step'} on the prepared one."]
+    return "\n".join(lines)
+
+
+# ---- a trained model answering: the compact model against the dense one, eager and in ONNX Runtime -------
+
+INFER_BATCH, INFER_CALLS = 64, 10  # the throughput batch; batch-1 calls averaged into one sample of a round
+
+
+def inference_bench(a, machine):
+    """The rows of --inference: per (density, backend), the median over --rounds interleaved rounds of the
+    batch-1 latency (one thread, all threads) and the batch-64 throughput (all threads)."""
+    import tempfile
+
+    import onnxruntime as ort
+
+    import export
+
+    name = (a.models or ("deit-small",))[0]
+    models = [(d, weights.publishable(build(name, "barter", d, 1, "cpu")[0])) for d in sorted(set(a.densities)) if d < 1]
+    torch.manual_seed(0)
+    models.append((1.0, ViT(preset(name)).eval()))
+    threads = torch.get_num_threads()
+    configs = []  # (key, {threads: runner}); a runner maps a batch to logits
+    with tempfile.TemporaryDirectory() as tmp:
+        for d, m in models:
+            def eager(n, m=m):
+                def run(x):
+                    torch.set_num_threads(n)
+                    with torch.inference_mode():
+                        return m(x)
+                return run
+            folder = os.path.join(tmp, str(d))
+            os.makedirs(folder)
+            path = export.write_onnx(m, folder)  # checked against the eager logits
+            sessions = {}
+            for n in (1, threads):
+                opt = ort.SessionOptions()
+                opt.intra_op_num_threads, opt.inter_op_num_threads = n, 1
+                opt.add_session_config_entry("session.intra_op.allow_spinning", "0")  # no spinning into eager's turn
+                sessions[n] = ort.InferenceSession(path, opt, providers=["CPUExecutionProvider"])
+            onnx = lambda n, s=sessions: (lambda x: s[n].run(None, {"images": x.numpy()})[0])
+            key = {"model": name, "density": d, "params": sum(p.numel() for p in m.parameters()),
+                   "heads": sum(m.counts("heads")), "mlp": sum(m.counts("mlp")), "flops_per_img": m.flops_per_image()}
+            configs += [({**key, "backend": "eager"}, {n: eager(n) for n in (1, threads)}),
+                        ({**key, "backend": "onnxruntime"}, {n: onnx(n) for n in (1, threads)})]
+        one, batch = export.images(models[0][1], 1), export.images(models[0][1], INFER_BATCH)
+        samples = {id(k): {"b1_1": [], "b1_all": [], "b64": []} for k, _ in configs}
+        for _ in tqdm(range(a.rounds + 1), desc="inference rounds", leave=False, disable=None):  # the first: warm-up
+            for key, run in configs:
+                got = samples[id(key)]
+                for metric, n, x, calls in (("b1_1", 1, one, INFER_CALLS), ("b1_all", threads, one, INFER_CALLS),
+                                            ("b64", threads, batch, 1)):
+                    t0 = time.perf_counter()
+                    for _ in range(calls):
+                        run[n](x)
+                    got[metric].append((time.perf_counter() - t0) / calls)
+        torch.set_num_threads(threads)
+    rows = []
+    for key, _ in configs:
+        got = {k: v[1:] for k, v in samples[id(key)].items()}  # without the warm-up round
+        rows.append({**key, "threads": threads, "b1_ms_1thread": 1e3 * statistics.median(got["b1_1"]),
+                     "b1_ms_all": 1e3 * statistics.median(got["b1_all"]),
+                     "b64_img_per_s": INFER_BATCH / statistics.median(got["b64"]),
+                     "spread": {k: [1e3 * min(v), 1e3 * max(v)] for k, v in got.items()}})
+    for r in rows:  # against the dense model in the same backend
+        dense = next(q for q in rows if q["density"] == 1.0 and q["backend"] == r["backend"])
+        r.update(macs_ratio=dense["flops_per_img"] / r["flops_per_img"], b1_speedup=dense["b1_ms_1thread"] / r["b1_ms_1thread"],
+                 b64_speedup=r["b64_img_per_s"] / dense["b64_img_per_s"])
+    return written(a, machine, inference_table, batch=INFER_BATCH, rows=rows)
+
+
+def inference_table(result):
+    rows, t = result["rows"], result["rows"][0]["threads"]
+    lines = [f"{result['machine']['device']}, torch {result['machine']['torch']}: {rows[0]['model']}, median over "
+             f"{result['args']['rounds']} interleaved rounds (min-max)", "",
+             f"| density | backend | parameters | multiply-adds vs dense | batch 1, 1 thread ms | batch 1, {t} threads ms | "
+             f"batch {result['batch']}, {t} threads img/s | vs dense: batch 1, 1 thread / batch {result['batch']} |",
+             "|---" * 8 + "|"]
+    for r in rows:
+        sp = r["spread"]
+        lines.append(f"| {r['density']} | {r['backend']} | {r['params'] / 1e6:.2f} M | {1 / r['macs_ratio']:.3f} ({r['macs_ratio']:.2f}x fewer) | "
+                     f"{r['b1_ms_1thread']:.2f} ({sp['b1_1'][0]:.2f}-{sp['b1_1'][1]:.2f}) | {r['b1_ms_all']:.2f} "
+                     f"({sp['b1_all'][0]:.2f}-{sp['b1_all'][1]:.2f}) | {r['b64_img_per_s']:.0f} | "
+                     f"{r['b1_speedup']:.2f}x / {r['b64_speedup']:.2f}x |")
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -32,7 +33,9 @@ from barter import Barter, Schedule, round_half_up, taylor_scores, unit_budgets
 from baselines import BiDST, Masked, Unstructured, erk_densities
 from step import EMA, Graph, Ranks, Stepper, autocast, evaluate, load_optimizer, make_optimizer, set_lr, train_step
 import vit
-from vit import PRESETS, ViT, from_torchvision, leaf, resize
+import weights
+from vit import PRESETS, ViT, leaf, resize
+from weights import from_torchvision
 
 REPO = os.path.dirname(os.path.abspath(__file__))  # the CLIs run from here
 CFG = PRESETS["micro"]  # 3 blocks, dim 32, 4 heads of 8, 64 MLP channels
@@ -114,6 +117,8 @@ def test_model_matches_hand_written_reference():
     w = torch.randn(len(x), CFG.num_classes, dtype=torch.float64)
     out, ref = m(x), ref_forward(m, x)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    with torch.no_grad():  # without autograd the norms run as plain layer norms, their affine unfolded
+        torch.testing.assert_close(m(x), ref, rtol=0, atol=1e-12)
     # gradients too: Normalize's own backward and the norm affine folded into qkv / fc1 / head
     params = list(m.parameters())
     for g, r, (n, _) in zip(torch.autograd.grad((out * w).sum(), params), torch.autograd.grad((ref * w).sum(), params),
@@ -797,7 +802,7 @@ def read_log(path):
 @pytest.mark.parametrize("method", train.METHODS)
 def test_main_smoke_every_method(tmp_path, method):
     a = targs(tmp_path, method=method, max_steps=22)
-    train.main(a)
+    model, meth, _ = train.main(a)
     log = read_log(a.out_dir)
     ep = [r for r in log if r["type"] in ("epoch", "partial-epoch")]
     assert len(ep) == 1 and ep[0]["step"] == 22 and ep[0]["type"] == "partial-epoch"  # 78 steps per epoch
@@ -807,7 +812,28 @@ def test_main_smoke_every_method(tmp_path, method):
     ups = [r for r in log if r["type"] == "update"]
     assert len(ups) == (0 if method in ("dense", "static") else 2)
     ck = torch.load(os.path.join(a.out_dir, "checkpoint.pt"), weights_only=True)
-    assert ck["step"] == 22 and ck["format"] == train.CKPT_FORMAT
+    assert ck["step"] == 22 and ck["format"] == weights.CKPT_FORMAT
+    # the finished run is published as model/, a masked run compacted to its units: the same logits either way
+    pub = weights.from_pretrained(os.path.join(a.out_dir, "model"))
+    config = json.loads((tmp_path / "run" / "model" / "config.json").read_text())
+    x, _ = batch(6, dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(pub(x), model.eval()(x), rtol=0, atol=1e-6)
+    units = meth.counts if method in train.UNIT_METHODS else model.counts
+    assert config["heads"] == pub.counts("heads") == units("heads") and config["mlp"] == pub.counts("mlp") == units("mlp")
+    assert config["method"] == method and sorted(os.listdir(tmp_path / "run" / "model")) == ["config.json", "model.safetensors"]
+    if method == "masked":
+        assert sum(pub.counts("mlp")) < sum(model.counts("mlp")) == 3 * CFG.mlp_hidden
+
+
+def test_a_run_says_which_blocks_start_without_a_head(tmp_path, capsys):
+    # cifar-tiny at d = 0.1: 4 heads for 12 blocks, and a head's 128 channels more than the channels can spare
+    budget, _, _ = unit_budgets(PRESETS["cifar-tiny"], 0.1)
+    assert budget["heads"] == 4
+    train.main(targs(tmp_path, model="cifar-tiny", dense_frac=0.1, batch_size=32, max_steps=1))
+    assert "8 of 12 blocks start without a head" in capsys.readouterr().out
+    train.main(targs(tmp_path, max_steps=1, out_dir=str(tmp_path / "micro")))  # micro at d = 0.3: a head in each
+    assert "without a head" not in capsys.readouterr().out
 
 
 def test_fractional_epochs_end_the_run_and_its_schedules_mid_epoch(tmp_path):
@@ -2153,7 +2179,7 @@ def test_bench_times_a_runs_end_split(two_runs, tmp_path):
     res = bench.main(bench.Args(runs=(barter_run,), steps=1, rounds=1, warmup=0, device="cpu",
                                 out=str(tmp_path / "bench.json")))
     start = read_log(barter_run)[0]["counts"]
-    trained = vit.load(os.path.join(barter_run, "checkpoint.pt"))
+    trained = weights.load(os.path.join(barter_run, "checkpoint.pt"))
     masked, begin, end = res["rows"]  # only the run's group: --runs and no --models
     assert {r["model"] for r in res["rows"]} == {f"micro {barter_run}"} and masked["method"] == "masked"
     assert (begin["method"], begin["split"], end["method"], end["split"]) == ("barter", "start", "barter", "end")
@@ -2198,7 +2224,7 @@ def test_timm_deit_tiny_converts_to_the_same_logits(tmp_path):
             if n.endswith("bias") or "norm" in n:
                 p.normal_(1.0 if "norm" in n and n.endswith("weight") else 0.0, 0.1)
     torch.save({"model": t.state_dict()}, tmp_path / "deit.pth")  # the DeiT release files' wrapping
-    ours, kind = vit.load_pretrained(str(tmp_path / "deit.pth"))
+    ours, kind = weights.load_pretrained(str(tmp_path / "deit.pth"))
     assert kind == "timm" and ours.cfg == replace(PRESETS["deit-tiny"], num_classes=1000)
     x = torch.randn(2, 3, 224, 224)
     with torch.no_grad():
@@ -2214,7 +2240,7 @@ def test_torchvision_state_dict_at_another_shape_converts(tmp_path):
     with torch.no_grad():
         tv.heads.head.weight.normal_(0, 0.1)
     torch.save(tv.state_dict(), tmp_path / "tv.pt")
-    ours, kind = vit.load_pretrained(str(tmp_path / "tv.pt"), num_heads=3)
+    ours, kind = weights.load_pretrained(str(tmp_path / "tv.pt"), num_heads=3)
     c = ours.cfg
     assert kind == "torchvision" and (c.img_size, c.patch_size, c.dim, c.depth, c.num_heads, c.mlp_hidden) == (48, 12, 48, 2, 3, 80)
     x = torch.randn(2, 3, 48, 48)
@@ -2226,10 +2252,10 @@ def test_pos_embed_resampling_matches_timm():
     from timm.layers import resample_abs_pos_embed
 
     pos = torch.randn(1, 1 + 14 * 14, 192)
-    new = vit.resample_pos_embed(pos, 8)  # 224 px in patches of 16 -> 32 px in patches of 4
+    new = weights.resample_pos_embed(pos, 8)  # 224 px in patches of 16 -> 32 px in patches of 4
     assert new.shape == (1, 1 + 8 * 8, 192) and torch.equal(new[:, 0], pos[:, 0])
     torch.testing.assert_close(new, resample_abs_pos_embed(pos, [8, 8]))
-    assert vit.resample_pos_embed(pos, 14) is pos
+    assert weights.resample_pos_embed(pos, 14) is pos
 
 
 def test_bad_weight_files_fail_with_one_line(tmp_path):
@@ -2266,16 +2292,16 @@ def test_a_file_that_would_run_code_is_refused_everywhere_and_never_run(tmp_path
     torch.save({"model": RunsCode(marker)}, evil)
     runs_dir = tmp_path / "evil-run"
     runs_dir.mkdir()
-    torch.save({"format": vit.CKPT_FORMAT, "model": RunsCode(marker)}, runs_dir / "checkpoint.pt")
+    torch.save({"format": weights.CKPT_FORMAT, "model": RunsCode(marker)}, runs_dir / "checkpoint.pt")
     cli = {"--pretrained": ["--pretrained", str(evil), "--data", "synthetic", "--out-dir", str(tmp_path / "run")],
            "--resume": ["--resume", str(evil), "--data", "synthetic", "--model", "micro", "--out-dir", str(tmp_path / "run")],
            "--eval-only": ["--eval-only", "--resume", str(evil)]}
     for flag, argv in cli.items():
         r = subprocess.run([sys.executable, "train.py", *argv], capture_output=True, text=True, cwd=REPO)
         assert r.returncode == 2 and r.stderr.count("\n") == 1, (flag, r.stderr)
-        assert "refused: it names posix.system" in r.stderr and "vit.convert_trusted" in r.stderr, r.stderr
-    with pytest.raises(vit.WeightsError, match="refused"):
-        vit.load(str(evil))
+        assert "refused: it names posix.system" in r.stderr and "weights.convert_trusted" in r.stderr, r.stderr
+    with pytest.raises(weights.WeightsError, match="refused"):
+        weights.load(str(evil))
     with pytest.raises(SystemExit, match="refused"):
         bench.main(bench.Args(runs=(str(runs_dir),), memory=False, out=str(tmp_path / "b.json")))
     assert not marker.exists()  # nothing ran, on any path
@@ -2284,10 +2310,10 @@ def test_a_file_that_would_run_code_is_refused_everywhere_and_never_run(tmp_path
     m = micro(dtype=torch.float32)
     sd = {k.replace("patch_embed.", "patch_embed.proj."): v for k, v in m.state_dict().items()}
     torch.save({"model": sd, "args": argparse.Namespace(lr=1e-3, model="deit")}, tmp_path / "timm.pth")
-    with pytest.raises(vit.WeightsError, match="argparse.Namespace"):
-        vit.load_pretrained(str(tmp_path / "timm.pth"))
-    vit.convert_trusted(str(tmp_path / "timm.pth"), str(tmp_path / "safe.pth"))
-    ours, kind = vit.load_pretrained(str(tmp_path / "safe.pth"), num_heads=4)
+    with pytest.raises(weights.WeightsError, match="argparse.Namespace"):
+        weights.load_pretrained(str(tmp_path / "timm.pth"))
+    weights.convert_trusted(str(tmp_path / "timm.pth"), str(tmp_path / "safe.pth"))
+    ours, kind = weights.load_pretrained(str(tmp_path / "safe.pth"), num_heads=4)
     x = batch(2, dtype=torch.float32)[0]
     assert kind == "timm" and torch.equal(ours(x), m(x))
     # checkpoints from before this change held torch's version as a TorchVersion object: they still load
@@ -2299,7 +2325,7 @@ def test_a_file_that_would_run_code_is_refused_everywhere_and_never_run(tmp_path
     assert type(ck["env"]["torch"]) is str  # what is written now is plain
     ck["env"]["torch"] = torch.__version__
     torch.save(ck, path)
-    assert vit.read_checkpoint(path)["env"]["torch"] == str(torch.__version__)
+    assert weights.read_checkpoint(path)["env"]["torch"] == str(torch.__version__)
     with pytest.raises(Exception, match="TorchVersion"):
         torch.load(path, weights_only=True)
 
@@ -2332,7 +2358,7 @@ def start(tmp_path, path, **kw):
 def test_importance_selection_keeps_the_top_units(tmp_path, trained_torchvision):
     tr, _, cfg, masked_model, masked, rec = start(tmp_path, trained_torchvision, method="masked")
     # the gate-Taylor scores, computed here with explicit gates in the hand-written forward
-    dense, _ = vit.load_pretrained(trained_torchvision, num_heads=4)
+    dense, _ = weights.load_pretrained(trained_torchvision, num_heads=4)
     dense = dense.double()
     hs, fs = [torch.zeros(4, dtype=torch.float64) for _ in range(3)], [torch.zeros(64, dtype=torch.float64) for _ in range(3)]
     batches = list(itertools.islice(tr.epoch(0), 3))
@@ -2405,7 +2431,7 @@ def test_load_rebuilds_a_trained_compact_model_in_a_fresh_process(tmp_path):
     path = os.path.join(a.out_dir, "checkpoint.pt")
     x, _ = batch(3, dtype=torch.float32)
     torch.save(x, tmp_path / "x.pt")
-    code = ("import torch, vit; m = vit.load(%r); assert not m.training; "
+    code = ("import torch, weights; torch.set_grad_enabled(False); m = weights.load(%r); assert not m.training; "
             "torch.save(m(torch.load(%r)), %r); print(m.counts('heads'), m.counts('mlp'))") % (path, str(tmp_path / "x.pt"), str(tmp_path / "y.pt"))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr
@@ -2423,17 +2449,119 @@ def test_average_of_the_weights_is_logged_checkpointed_and_loads(tmp_path):
     ep, summary = log[-2], log[-1]
     assert summary["final_top1_ema"] == ep["test_top1_ema"]
     path = os.path.join(a.out_dir, "checkpoint.pt")
-    live, avg = vit.load(path), vit.load(path, ema=True)
+    live, avg = weights.load(path), weights.load(path, ema=True)
     assert live.counts("heads") == avg.counts("heads") == model.counts("heads") != [2, 1, 1]  # resized with the model
     assert any(not torch.equal(p, q) for p, q in zip(live.parameters(), avg.parameters()))
     _, test_dl, _ = data.load("synthetic", "data", a.batch_size, torch.device("cpu"), CFG.img_size, a.seed, 1)
     # the logged numbers are those of the models a user loads back
     assert evaluate(live, test_dl, nullcontext()) == ep["test_top1"]
     assert evaluate(avg, test_dl, nullcontext()) == ep["test_top1_ema"]
+    pub = weights.from_pretrained(os.path.join(a.out_dir, "model"))  # published: the average, and it says so
+    assert all(torch.equal(p, q) for p, q in zip(pub.parameters(), avg.parameters()))
+    assert "average" in json.loads(open(os.path.join(a.out_dir, "model", "config.json")).read())["weights"]
     plain = targs(tmp_path, max_steps=5, out_dir=str(tmp_path / "plain"))
     train.main(plain)
-    with pytest.raises(vit.WeightsError, match="no average"):
-        vit.load(os.path.join(plain.out_dir, "checkpoint.pt"), ema=True)
+    with pytest.raises(weights.WeightsError, match="no average"):
+        weights.load(os.path.join(plain.out_dir, "checkpoint.pt"), ema=True)
+
+
+# ---- issue 86: the trained model published, exported, and measured at inference ------------------------
+
+def hollow_model():
+    """A compact micro model with a block of no head and no MLP channel, nonzero biases everywhere."""
+    m = micro(dtype=torch.float32)
+    resize(m, None, [torch.tensor([0, 2]), torch.tensor([], dtype=torch.long), torch.tensor([1])],
+           [torch.arange(0, 40, 2), torch.tensor([], dtype=torch.long), torch.tensor([3, 5, 7])])
+    return m.eval()
+
+
+def test_published_model_rebuilds_exactly_and_bad_folders_are_refused(tmp_path):
+    m = hollow_model()
+    folder = weights.save_pretrained(m, str(tmp_path / "pub"))
+    again = weights.from_pretrained(folder)
+    assert again.counts("heads") == [2, 0, 1] and again.counts("mlp") == [20, 0, 3] and not again.training
+    x, _ = batch(5, dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(again(x), m(x))
+    config = json.loads((tmp_path / "pub" / "config.json").read_text())
+    assert set(config) == {"format", "heads", "mlp"} | set(vit.ViTConfig.__dataclass_fields__)
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    (bad / "config.json").write_text(json.dumps({**config, "mlp": [20, 1, 3]}))
+    with pytest.raises(weights.WeightsError, match="does not match its config.json .size mismatch for blocks.1.mlp"):
+        weights.from_pretrained(str(bad))
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(weights.WeightsError, match="does not describe a model of this project"):
+        weights.from_pretrained(str(bad))
+    os.remove(bad / "model.safetensors")
+    with pytest.raises(weights.WeightsError, match="not a published model: no model.safetensors"):
+        weights.from_pretrained(str(bad))
+    # a published model fine-tunes like any pretrained weights
+    a = targs(tmp_path, pretrained=folder, max_steps=8, out_dir=str(tmp_path / "tune"))
+    tuned, _, _ = train.main(a)
+    assert read_log(a.out_dir)[0]["init"]["batches"] == 8 and tuned.cfg == m.cfg
+
+
+def test_export_writes_programs_that_give_the_eager_logits_and_read_no_pickle(tmp_path, monkeypatch):
+    import onnxruntime as ort
+    import pickle
+
+    import export
+
+    m = hollow_model()
+    folder = weights.save_pretrained(m, str(tmp_path / "pub"))
+
+    def no_pickle(*a, **k):
+        raise AssertionError("a pickle was read on the publish/export path")
+
+    class NoUnpickler(pickle.Unpickler):  # what subclasses it at import still imports; what unpickles fails
+        __init__ = no_pickle
+    for mod, name, stand_in in ((pickle, "load", no_pickle), (pickle, "loads", no_pickle), (pickle, "Unpickler", NoUnpickler),
+                                (torch, "load", no_pickle)):
+        monkeypatch.setattr(mod, name, stand_in)
+    written = export.main(export.Args(source=folder, out=str(tmp_path / "out")))
+    monkeypatch.undo()
+    assert sorted(written) == ["onnx", "pt2", "pte"]
+    x = export.images(m, 3, seed=7)
+    with torch.no_grad():
+        want = m(x)
+    program = torch.export.load(written["pt2"]).module()
+    onnx = ort.InferenceSession(written["onnx"], providers=["CPUExecutionProvider"]).run(None, {"images": x.numpy()})[0]
+    for got in (program(x), torch.as_tensor(onnx)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(AssertionError, match="differ from the eager model"):  # the check after writing can fail
+        export.check("a wrong model", lambda x: m(x) + 1e-3, m)
+    (tmp_path / "empty").mkdir()
+    for source, says in (("empty", "holds no published model"), ("nothing", "no such file")):
+        r = subprocess.run([sys.executable, "export.py", str(tmp_path / source), "--out", str(tmp_path / "o")],
+                           capture_output=True, text=True, cwd=REPO)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr, r.stderr
+
+
+def test_export_compacts_a_masked_checkpoint(two_runs):
+    import export
+
+    path = os.path.join(two_runs[1][1], "checkpoint.pt")  # a masked run
+    masked, compact = weights.load(path), export.load_source(path)
+    active = torch.load(path, weights_only=True)["method"]["active"]
+    for kind in ("heads", "mlp"):
+        assert compact.counts(kind) == [int(a.sum()) for a in active[kind]] != masked.counts(kind)
+    x, _ = batch(4, dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(compact(x), masked(x), rtol=0, atol=1e-6)
+
+
+def test_bench_times_inference_against_the_dense_model(tmp_path):
+    import bench
+
+    res = bench.main(bench.Args(models=("micro",), densities=(0.3,), rounds=1, inference=True, out=str(tmp_path / "inf.json")))
+    rows = {(r["density"], r["backend"]): r for r in res["rows"]}
+    assert set(rows) == {(d, b) for d in (0.3, 1.0) for b in ("eager", "onnxruntime")}
+    for (d, b), r in rows.items():
+        dense = rows[(1.0, b)]
+        assert r["macs_ratio"] == pytest.approx(dense["flops_per_img"] / r["flops_per_img"]) and (r["macs_ratio"] > 1) == (d < 1)
+        assert r["b64_speedup"] == pytest.approx(r["b64_img_per_s"] / dense["b64_img_per_s"])
+        assert min(r["b1_ms_1thread"], r["b1_ms_all"], r["b64_img_per_s"]) > 0
 
 
 # ---- issue 11: torchrun / DDP, topology in lockstep on every rank ----------------------------------

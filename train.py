@@ -8,7 +8,6 @@ import itertools
 import json
 import math
 import os
-import platform
 import signal
 import sys
 import time
@@ -21,13 +20,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import data
-import vit
+import weights
 from barter import Barter, Schedule, initial_units, unit_budgets, widen
 from baselines import BiDST, Dense, Masked, Static, Unstructured
 from step import (EMA, Graph, Ranks, Stepper, autocast, bf16_supported, evaluate, load_optimizer, make_optimizer,
                   peak_memory_mb, pick_device, set_lr, sync, torchrun_world)
-from runlog import read_log, show_counts, show_summary, summarize
-from vit import CKPT_FORMAT, PRESETS, ViT, ViTConfig
+from runlog import environment, read_log, show_counts, show_summary, summarize
+from vit import PRESETS, ViT, ViTConfig
 
 METHODS = ("barter", "static", "masked", "rigl", "set", "bidst", "dense")
 UNIT_METHODS = ("barter", "static", "masked")  # the methods that count heads and MLP channels
@@ -111,8 +110,8 @@ class Args:
     eval_only: bool = False
     """with --resume: print the checkpoint's test top-1 and exit (its own data arguments are used)"""
     pretrained: Optional[str] = None
-    """start from these weights: a torchvision or timm/DeiT ViT state dict, a checkpoint of this project, or
-    torchvision:NAME (e.g. torchvision:vit_b_16); the model shape comes from the file, not --model"""
+    """start from these weights: a torchvision or timm/DeiT ViT state dict, a checkpoint or a published model/
+    folder of this project, or torchvision:NAME (e.g. torchvision:vit_b_16); the shape comes from them, not --model"""
     init_batches: int = 8
     """with --pretrained: training batches over which every unit is scored once (a one-time dense cost)"""
     pretrained_heads: Optional[int] = None
@@ -176,8 +175,8 @@ def validate(args):
     need(args.model in PRESETS, f"unknown --model {args.model!r}; choose from {', '.join(PRESETS)}")
     need(args.pretrained_heads is None or args.pretrained_heads > 0, f"--pretrained-heads must be positive, got {args.pretrained_heads}")
     need(not args.eval_only or args.resume, "--eval-only needs --resume CHECKPOINT")
-    need(not args.pretrained or args.resume or args.pretrained.startswith("torchvision:") or os.path.isfile(args.pretrained),
-         f"--pretrained {args.pretrained!r}: no such file")  # here, so study.py stops once; a resume needs only its checkpoint
+    need(not args.pretrained or args.resume or args.pretrained.startswith("torchvision:") or os.path.exists(args.pretrained),
+         f"--pretrained {args.pretrained!r}: no such file or folder")  # here, so study.py stops once; a resume needs only its checkpoint
     if not args.pretrained:  # else the shape comes from the weights file: checked once it is read
         check_img_size(args.img_size, PRESETS[args.model])
     need(args.method in METHODS, f"unknown --method {args.method!r}; choose from {', '.join(METHODS)}")
@@ -235,8 +234,8 @@ def run_dir(args):
 def read_checkpoint(path):
     """--resume's checkpoint, or one line saying why not."""
     try:
-        return vit.read_checkpoint(path)
-    except vit.WeightsError as e:
+        return weights.read_checkpoint(path)
+    except weights.WeightsError as e:
         raise ArgError(f"--resume {e}") from None
 
 
@@ -269,23 +268,10 @@ def make_method(name, model, schedule, dense_frac, head_frac=None, mlp_frac=None
     return Dense(model)
 
 
-def environment(device):
-    """What decides a run's numbers beside its arguments: a run repeats bit for bit only under the same
-    torch, device and CPU thread count. Plain strings and numbers, so checkpoints load with weights_only."""
-    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-            "cpu_threads": torch.get_num_threads(), "torch": str(torch.__version__)}
-
-
-def save_checkpoint(path, **state):
-    tmp = path + ".tmp"
-    torch.save({"format": CKPT_FORMAT, **state}, tmp)
-    os.replace(tmp, path)  # atomic: a crash mid-write never leaves a broken checkpoint
-
-
 def eval_checkpoint(args):
     """--eval-only: the checkpoint's model on its test split."""
     ckpt = read_checkpoint(args.resume)
-    model = vit.from_checkpoint(ckpt).eval()
+    model = weights.from_checkpoint(ckpt).eval()
     a = {**asdict(Args()), **{k: v for k, v in ckpt["args"].items() if k in Args.__dataclass_fields__}}
     device = pick_device(args.device)
     data_dir = args.data_dir if args.data_dir != Args.data_dir else a["data_dir"]
@@ -295,7 +281,7 @@ def eval_checkpoint(args):
     print(f"{args.resume}: {a['method']} d={a['dense_frac']} at step {ckpt['step']}, test top-1 {top1:.4f} "
           f"on the {a['data']} test split")
     if ckpt.get("ema"):
-        top1_ema = evaluate(vit.from_checkpoint(ckpt, ema=True).eval().to(device), test_dl, amp)
+        top1_ema = evaluate(weights.from_checkpoint(ckpt, ema=True).eval().to(device), test_dl, amp)
         print(f"the average of its weights (--ema-decay {a['ema_decay']}): test top-1 {top1_ema:.4f}")
     return top1
 
@@ -305,8 +291,8 @@ def eval_checkpoint(args):
 def read_pretrained(args):
     """The --pretrained model (dense or compact, on the CPU), its shape checked against the arguments."""
     try:
-        model, kind = vit.load_pretrained(args.pretrained, args.pretrained_heads)
-    except vit.WeightsError as e:
+        model, kind = weights.load_pretrained(args.pretrained, args.pretrained_heads)
+    except weights.WeightsError as e:
         raise ArgError(f"--pretrained {e}") from None
     check_img_size(args.img_size, model.cfg)
     if args.method in UNIT_METHODS:
@@ -318,20 +304,20 @@ def read_pretrained(args):
 
 
 def pretrained_start(model, args, cfg, batches, amp, device):
-    """The compact start of a fine-tune: the pretrained model fitted to this data (vit.adapt), widened to
+    """The compact start of a fine-tune: the pretrained model fitted to this data (weights.adapt), widened to
     its dense shape (barter.widen), a new head fitted to the frozen features, then every unit scored once
     by BARTER's own statistic over `batches` and the best kept within the budgets (barter.initial_units).
     Returns (model, init_model's arguments, a record of the start, mean_loss() over the batches)."""
     t0 = time.perf_counter()
     try:
-        new_head, notes = vit.adapt(model, cfg)
-    except vit.WeightsError as e:
+        new_head, notes = weights.adapt(model, cfg)
+    except weights.WeightsError as e:
         raise ArgError(f"--pretrained {e}") from None
     for note in notes:
         print(note)
     model = widen(model, torch.Generator().manual_seed(args.seed)).to(device)
     if new_head:
-        vit.fit_head(model, batches)
+        weights.fit_head(model, batches)
 
     def loss_of(x, y):
         with amp:
@@ -474,6 +460,8 @@ class Run:
             print("resumed with " + ", ".join(changed) + ": it continues correctly, but not bit for bit as a run never stopped")
         if self.counts:
             print("units per block: " + " | ".join(f"{k} " + " ".join(map(str, c)) for k, c in self.counts.items()))
+            if 0 in self.counts["heads"]:  # the budget holds fewer heads than blocks, and channels cannot pay for more
+                print(f"{self.counts['heads'].count(0)} of {self.cfg.depth} blocks start without a head (README, How it works)")
         log = open(path if self.ranks.main else os.devnull, "a" if ckpt else "w")
         if not ckpt:  # what a reader of the log (plot.py, study.py) needs to know about the run
             log.write(json.dumps({"type": "start", "step": 0, "args": asdict(a), "cfg": asdict(self.cfg), "init": init_rec,
@@ -488,7 +476,7 @@ class Run:
     def checkpoint(self):
         if self.ranks.main:  # every rank holds the same model: one file, from rank 0
             m, dev = self.model, self.device
-            save_checkpoint(os.path.join(self.out, "checkpoint.pt"), args=asdict(self.args), cfg=asdict(self.cfg),
+            weights.save_checkpoint(os.path.join(self.out, "checkpoint.pt"), args=asdict(self.args), cfg=asdict(self.cfg),
                             heads=m.counts("heads"), mlp=m.counts("mlp"), model=m.state_dict(), optimizer=self.opt.state_dict(),
                             method=self.method.state_dict(), step=self.step, env=self.env,
                             ema=self.ema.state_dict(m) if self.ema else None,
@@ -504,6 +492,7 @@ class Run:
             if not stop and self.ranks.main:
                 summary = summarize(self.out, self.total, self.counts or None)
                 self.log.write(json.dumps(summary) + "\n")
+                self.publish()
                 print(show_summary(summary, self.out))
         except FloatingPointError as e:
             print(f"error: {e}; stopping. The last good checkpoint in {self.out} is intact.", file=sys.stderr)
@@ -515,6 +504,16 @@ class Run:
         if stop:
             print(f"interrupted: checkpoint at step {self.step} saved in {self.out}; continue with --resume {self.out}/checkpoint.pt")
         return self.model, self.method, self.opt
+
+    def publish(self):
+        """The trained model as model/ in the run folder (weights.save_pretrained), the average of its weights
+        where --ema-decay kept one; a structured masked run's compacted to the units its masks keep."""
+        with self.ema.swapped_in(self.model) if self.ema else nullcontext():
+            model = weights.publishable(self.model, getattr(self.method, "active", None))
+        kept = f"the average of the weights (--ema-decay {self.args.ema_decay})" if self.ema else "the trained weights"
+        weights.save_pretrained(model, os.path.join(self.out, "model"), weights=kept, method=self.args.method)
+        if self.args.method in WEIGHT_METHODS:
+            print(f"model/ holds {self.args.method}'s model dense: its sparsity is of single weights, zeros in dense tensors")
 
     def epoch(self, signalled):
         """Train to the end of the current epoch (or --max-steps, or a signal), then evaluate, log and save.
