@@ -23,10 +23,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-import runlog
 import train
 import weights
-from step import Graph, Stepper, autocast, bf16_supported, make_optimizer, sync
+from step import Graph, Stepper, autocast, bf16_supported, environment, make_optimizer, sync
 from barter import Schedule
 from vit import ViT, ViTConfig, preset
 
@@ -278,7 +277,7 @@ def main(a: Args):
     steps = a.steps or (10 if device.type == "cuda" else 2)
     models = a.models or (() if a.runs else ("cifar-tiny", "deit-small") if device.type == "cuda" else ("cifar-tiny",))
     bf16 = a.bf16 if a.bf16 is not None else bf16_supported(device)
-    machine = {**runlog.environment(device), "python": platform.python_version(), "bf16": bf16, "compile": a.compile,
+    machine = {**environment(device), "python": platform.python_version(), "bf16": bf16, "compile": a.compile,
                "cuda_graph": list(a.cuda_graph)}
     if a.loaders:
         return loader_bench(a, device, bf16, steps, machine)
@@ -497,16 +496,18 @@ def inference_bench(a, machine):
                         ({**key, "backend": "onnxruntime"}, {n: onnx(n) for n in (1, threads)})]
         one, batch = export.images(models[0][1], 1), export.images(models[0][1], INFER_BATCH)
         samples = {id(k): {"b1_1": [], "b1_all": [], "b64": []} for k, _ in configs}
-        for _ in tqdm(range(a.rounds + 1), desc="inference rounds", leave=False, disable=None):  # the first: warm-up
-            for key, run in configs:
-                got = samples[id(key)]
-                for metric, n, x, calls in (("b1_1", 1, one, INFER_CALLS), ("b1_all", threads, one, INFER_CALLS),
-                                            ("b64", threads, batch, 1)):
-                    t0 = time.perf_counter()
-                    for _ in range(calls):
-                        run[n](x)
-                    got[metric].append((time.perf_counter() - t0) / calls)
-        torch.set_num_threads(threads)
+        try:
+            for _ in tqdm(range(a.rounds + 1), desc="inference rounds", leave=False, disable=None):  # the first: warm-up
+                for key, run in configs:
+                    got = samples[id(key)]
+                    for metric, n, x, calls in (("b1_1", 1, one, INFER_CALLS), ("b1_all", threads, one, INFER_CALLS),
+                                                ("b64", threads, batch, 1)):
+                        t0 = time.perf_counter()
+                        for _ in range(calls):
+                            run[n](x)
+                        got[metric].append((time.perf_counter() - t0) / calls)
+        finally:
+            torch.set_num_threads(threads)  # what eager() changed
     rows = []
     for key, _ in configs:
         got = {k: v[1:] for k, v in samples[id(key)].items()}  # without the warm-up round

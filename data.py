@@ -17,6 +17,7 @@ import math
 import multiprocessing as mp
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -126,6 +127,24 @@ def epoch_seed(seed, epoch):
     return seed * 100003 + epoch
 
 
+def batches_in(n, batch_size, train):
+    """The batches of an epoch of n images: the last partial one dropped in training, kept in evaluation."""
+    return n // batch_size if train else -(-n // batch_size)
+
+
+def epoch_plan(n, batch_size, train, seed, epoch, start=0, rank=0, world=1):
+    """For each batch of an epoch from batch `start` on that gives this rank images: (the batch's positions
+    among the n images, this rank's part of them, the batch's own generator). The epoch's shuffle when
+    training. Every rank walks the same shuffle and takes its slice of each global batch; the batch's
+    draws are made for the whole batch, so that a rank's share is augmented as one process would."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(epoch_seed(seed, epoch))) if train else torch.arange(n)
+    for b in range(start, batches_in(n, batch_size, train)):
+        whole = order[b * batch_size:(b + 1) * batch_size]
+        part = torch.arange(len(whole)).tensor_split(world)[rank]
+        if len(part):  # the last evaluation batch may hold fewer images than ranks
+            yield whole, part, torch.Generator().manual_seed(epoch_seed(seed, epoch) * 100003 + b)
+
+
 class Waiting:
     """A loader's batches, and the seconds the caller spent blocked waiting for them: the share of an
     epoch a faster input pipeline would give back to the step (on CUDA the time the host takes to queue
@@ -144,6 +163,10 @@ class Waiting:
         finally:
             self.seconds += time.perf_counter() - t0
 
+    def close(self):
+        """Stop the loader (and a thread it runs) when the loop ends before the epoch does."""
+        self.batches.close()
+
 
 class TensorLoader:
     """Batches from uint8 images held on `device`; augmentation on the device. Under DDP (world > 1)
@@ -159,27 +182,17 @@ class TensorLoader:
         self.mean = mean.view(1, -1, 1, 1).to(device)
         self.std = std.view(1, -1, 1, 1).to(device)
 
-    def __len__(self):  # the last partial batch is dropped in training, kept in evaluation
-        n = len(self.x)
-        return n // self.batch_size if self.train else -(-n // self.batch_size)
+    def __len__(self):
+        return batches_in(len(self.x), self.batch_size, self.train)
 
     def epoch(self, epoch, start=0):
         """Yield (images, labels) of one epoch, from batch `start` on. The batches' indices and
         augmentation draws are made on the host at the start and moved to the device in one copy each,
         so that no batch waits on a copy from the host."""
-        n, B = len(self.x), self.batch_size
-        order = torch.arange(n)
-        if self.train:
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(epoch_seed(self.seed, epoch)))
         ids, draws = [], []
-        for b in range(start, len(self)):
-            whole = order[b * B:(b + 1) * B]
-            part = torch.arange(len(whole)).tensor_split(self.world)[self.rank]  # this rank's slice
-            if len(part) == 0:  # the last evaluation batch may hold fewer images than ranks
-                continue
+        for whole, part, g in epoch_plan(len(self.x), self.batch_size, self.train, self.seed, epoch, start, self.rank, self.world):
             ids.append(whole[part])
             if self.train and self.aug:  # drawn for the whole batch, then this rank's share
-                g = torch.Generator().manual_seed(epoch_seed(self.seed, epoch) * 100003 + b)
                 shift = torch.randint(0, 9, (2, len(whole)), generator=g)
                 flip = torch.rand(len(whole), generator=g) < 0.5
                 draws.append(torch.cat([shift, flip[None].long()])[:, part])  # (3, images): dy, dx, flip
@@ -224,6 +237,9 @@ class Seeded(torch.utils.data.Dataset):
             return self.ds[i]
 
 
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # an image folder's normalisation
+
+
 class FolderLoader:
     """An ImageNet-layout folder (train/ and val/, one subfolder per class) through a DataLoader."""
 
@@ -231,7 +247,7 @@ class FolderLoader:
         import torchvision.datasets as tvd
         import torchvision.transforms as T
 
-        mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+        mean, std = IMAGENET_MEAN, IMAGENET_STD
         tf = (T.Compose([T.RandomResizedCrop(img_size), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(mean, std)])
               if train and augment else T.Compose([T.Resize(int(img_size * 8 / 7)), T.CenterCrop(img_size), T.ToTensor(), T.Normalize(mean, std)]))
         self.ds = tvd.ImageFolder(os.path.join(root, "train" if train else "val"), transform=tf)
@@ -319,10 +335,12 @@ def convert_chunk(task):
         for k, path in enumerate(paths):
             i = c * CHUNK + k
             try:
-                f.seek(i * row)
-                f.write(square(path, size))
+                rgb = square(path, size)
             except Exception as e:  # unreadable, truncated, not an image: listed in the header, never dropped unsaid
                 errors[i] = f"{type(e).__name__}: {e}"
+                continue
+            f.seek(i * row)
+            f.write(rgb)  # a failed write (a full disk) stops the preparation: it is no unreadable image
     return split, c, errors
 
 
@@ -344,8 +362,10 @@ def prepare(src, out, size, workers=None):
     problem = folder_problem(src) if not os.path.isfile(os.path.join(src, HEADER)) else f"{src!r} is prepared already"
     if problem:
         raise DataError(f"--src {problem}")
-    if size < 1:
-        raise DataError(f"--size must be positive, got {size}")
+    if size < 1 or (workers is not None and workers < 0):
+        raise DataError(f"--size must be positive and --workers at least 0, got {size} and {workers}")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise DataError(f"--out {out!r} is a file, not a folder")
     classes = sorted(e.name for e in os.scandir(os.path.join(src, "train")) if e.is_dir())
     extra = sorted({e.name for e in os.scandir(os.path.join(src, "val")) if e.is_dir()} - set(classes))
     if not classes or extra:
@@ -354,7 +374,7 @@ def prepare(src, out, size, workers=None):
     files = {split: listing(src, split, classes) for split in SPLITS}
     if not files["train"]:
         raise DataError(f"--src {src!r}: train/ holds no image file")
-    plan = {"source": os.path.abspath(src), "size": size, "classes": classes, "counts": {k: len(v) for k, v in files.items()}}
+    plan = {"source": os.path.realpath(src), "size": size, "classes": classes, "counts": {k: len(v) for k, v in files.items()}}
     if os.path.isfile(os.path.join(out, HEADER)):
         head = read_header(out)
         if {k: head[k] for k in plan} != plan:
@@ -362,7 +382,10 @@ def prepare(src, out, size, workers=None):
                             f"remove it or pick another --out")
         print(f"{out} is prepared already")
         return head
-    os.makedirs(out, exist_ok=True)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"--out {out!r} cannot be made ({e.strerror})") from None
     prog_path = os.path.join(out, PROGRESS)
     prog = read_json(prog_path) if os.path.isfile(prog_path) else None
     if prog and prog["plan"] != plan:
@@ -379,7 +402,8 @@ def prepare(src, out, size, workers=None):
              for split, found in files.items() for c in range(-(-len(found) // CHUNK)) if c not in prog["done"][split]]
     todo = sum(len(t[3]) for t in tasks)
     workers = os.cpu_count() if workers is None else workers
-    pool = mp.get_context("fork").Pool(workers) if workers > 0 and tasks else None
+    # the workers leave Ctrl-C to this process, which records what is done and says how to go on
+    pool = mp.get_context("fork").Pool(workers, signal.signal, (signal.SIGINT, signal.SIG_IGN)) if workers > 0 and tasks else None
     bar = tqdm(total=todo, unit="img", desc=f"preparing {src} at {size} px", disable=None)
     try:
         for split, c, errors in (pool.imap_unordered(convert_chunk, tasks) if pool else map(convert_chunk, tasks)):
@@ -486,28 +510,22 @@ class PreparedLoader:
         self.keep = ok.nonzero()[:, 0]  # the images that were read
         self.size, self.img_size, self.batch_size, self.train, self.aug = S, img_size, batch_size, train, augment
         self.seed, self.device, self.rank, self.world = seed, torch.device(device), rank, world
-        self.mean = torch.tensor([0.485, 0.456, 0.406], device=self.device).view(1, 3, 1, 1) * 255  # ImageNet's, as
-        self.std = torch.tensor([0.229, 0.224, 0.225], device=self.device).view(1, 3, 1, 1) * 255  # the PIL path
+        self.mean = torch.tensor(IMAGENET_MEAN, device=self.device).view(1, 3, 1, 1) * 255  # on 0-255 pixels
+        self.std = torch.tensor(IMAGENET_STD, device=self.device).view(1, 3, 1, 1) * 255
         rows, pin = -(-batch_size // world), self.device.type == "cuda"
         self.slots = [(torch.empty(rows, S, S, 3, dtype=torch.uint8, pin_memory=pin), torch.empty(rows, dtype=torch.int64, pin_memory=pin),
                        torch.empty(rows, 5, pin_memory=pin)) for _ in range(self.AHEAD + 1)]
+        self.copies = torch.cuda.Stream(self.device) if pin else None  # host-to-device copies, beside the steps
 
-    def __len__(self):  # the last partial batch is dropped in training, kept in evaluation
-        n = len(self.keep)
-        return n // self.batch_size if self.train else -(-n // self.batch_size)
+    def __len__(self):
+        return batches_in(len(self.keep), self.batch_size, self.train)
 
     def plan(self, epoch, start=0):
         """(image indices, boxes) of this rank's share of each batch of `epoch` from batch `start` on."""
-        n, B = len(self.keep), self.batch_size
-        g = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
-        order = torch.randperm(n, generator=g) if self.train else torch.arange(n)
-        for b in range(start, len(self)):
-            whole = self.keep[order[b * B:(b + 1) * B]].sort().values  # sorted: pages read in file order
-            boxes = (random_boxes(len(whole), self.size, torch.Generator().manual_seed(epoch_seed(self.seed, epoch) * 100003 + b))
-                     if self.train and self.aug else center_boxes(len(whole), self.size))
-            part = torch.arange(len(whole)).tensor_split(self.world)[self.rank]
-            if len(part):  # the last evaluation batch may hold fewer images than ranks
-                yield whole[part], boxes[part]
+        for whole, part, g in epoch_plan(len(self.keep), self.batch_size, self.train, self.seed, epoch, start, self.rank, self.world):
+            whole = self.keep[whole].sort().values  # sorted: pages read in file order
+            boxes = random_boxes(len(whole), self.size, g) if self.train and self.aug else center_boxes(len(whole), self.size)
+            yield whole[part], boxes[part]
 
     def gather(self, slot, idx, boxes):
         """What the host does per batch: the images and labels at idx, and their boxes, into a buffer."""
@@ -549,10 +567,15 @@ class PreparedLoader:
                     raise item
                 k, n = item
                 x, y, d = (t[:n] for t in self.slots[k])
-                if self.device.type == "cuda":
-                    x, y, d = (t.to(self.device, non_blocking=True) for t in (x, y, d))
-                    copied = torch.cuda.Event()
-                    copied.record()
+                if self.device.type == "cuda":  # copied on a stream of their own, not queued behind the steps
+                    steps = torch.cuda.current_stream(self.device)
+                    with torch.cuda.stream(self.copies):
+                        x, y, d = (t.to(self.device, non_blocking=True) for t in (x, y, d))
+                        copied = torch.cuda.Event(blocking=True)  # which the thread waits for without spinning
+                        copied.record()
+                    steps.wait_stream(self.copies)
+                    for t in (x, y, d):
+                        t.record_stream(steps)  # made on the copy stream, used on the steps'
                     images = self.augment(x, d)
                 else:  # the images are read by augment before the buffer is handed back; the labels copied
                     images, y, copied = self.augment(x, d), y.clone(), None
@@ -592,6 +615,9 @@ def load(name, data_dir, batch_size, device, img_size=None, seed=0, workers=8, a
         img_size = img_size or 224
         if os.path.isfile(os.path.join(data_dir, HEADER)):
             head = read_header(data_dir)
+            if head["size"] > img_size:
+                print(f"note: {data_dir} holds {head['size']} px images, more than --img-size {img_size}: crops that shrink "
+                      f"are not antialiased (prepare it at {img_size} or less)")
             tr = PreparedLoader(data_dir, head, "train", img_size, batch_size, True, seed, device, augment, rank, world)
             te = PreparedLoader(data_dir, head, "val", img_size, batch_size, False, seed, device, False, rank, world)
             return tr, te, DataInfo(3, img_size, len(head["classes"]))

@@ -35,15 +35,14 @@ class Args:
 def load_source(path):
     """The model to export (a plain ViT in eval mode, on the CPU), or one line saying why not."""
     if os.path.isdir(path):
-        for folder in (path, os.path.join(path, "model")):
-            if os.path.isfile(os.path.join(folder, "config.json")):
-                return weights.from_pretrained(folder)
         if not os.path.isfile(os.path.join(path, "checkpoint.pt")):
-            raise weights.WeightsError(f"{path!r} holds no published model (config.json or model/) and no checkpoint.pt")
-        path = os.path.join(path, "checkpoint.pt")
+            return weights.from_pretrained(weights.model_folder(path))
+        if os.path.isfile(os.path.join(path, "model", "config.json")):  # a finished run
+            return weights.from_pretrained(os.path.join(path, "model"))
+        path = os.path.join(path, "checkpoint.pt")  # a run stopped before its end
     ckpt = weights.read_checkpoint(path)
-    active = ckpt["method"].get("active") if ckpt["args"].get("method") == "masked" else None
-    return weights.publishable(weights.from_checkpoint(ckpt), active)
+    model = weights.from_checkpoint(ckpt).eval()
+    return weights.publishable(model, ckpt["method"]["active"]) if ckpt["args"].get("method") == "masked" else model
 
 
 def images(model, n, seed=0):

@@ -5,16 +5,6 @@ prints from them. study.py and plot.py read runs through these.
 """
 import json
 import os
-import platform
-
-import torch
-
-
-def environment(device):
-    """What decides a run's numbers beside its arguments: a run repeats bit for bit only under the same
-    torch, device and CPU thread count. Plain strings and numbers, so checkpoints load with weights_only."""
-    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-            "cpu_threads": torch.get_num_threads(), "torch": str(torch.__version__)}
 
 
 def read_log(out):

@@ -9,6 +9,7 @@ processes a run has (one, or the ranks of a torchrun job, Ranks).
 """
 import gc
 import os
+import platform
 import resource
 import warnings
 from contextlib import contextmanager, nullcontext
@@ -270,6 +271,13 @@ def evaluate(fwd, loader, amp, ranks=None):
 def pick_device(name):
     """'auto' is cuda when there is one, else cpu."""
     return torch.device(name if name != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def environment(device):
+    """What decides a run's numbers beside its arguments: a run repeats bit for bit only under the same
+    torch, device and CPU thread count. Plain strings and numbers, so checkpoints load with weights_only."""
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+            "cpu_threads": torch.get_num_threads(), "torch": str(torch.__version__)}
 
 
 def torchrun_world():

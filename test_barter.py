@@ -1437,6 +1437,18 @@ def test_cuda_graph_run_resumed_mid_epoch_equals_one_never_stopped(tmp_path, exa
 
 
 @cuda_only
+def test_cuda_prepared_folder_batches_equal_the_cpu_ones(tmp_path):
+    """On CUDA the batches come through pinned buffers, a copy stream and events: the same batches."""
+    out = str(tmp_path / "out")
+    head = data.prepare(image_folder(tmp_path / "imgs"), out, 20, workers=0)
+    batches = {dev: list(data.PreparedLoader(out, head, "train", 16, 8, True, seed=3, device=dev).epoch(1)) for dev in ("cpu", "cuda")}
+    assert len(batches["cuda"]) == len(batches["cpu"]) == 4
+    for (x, y), (cx, cy) in zip(batches["cpu"], batches["cuda"]):
+        assert torch.equal(cy.cpu(), y)
+        torch.testing.assert_close(cx.cpu(), x, rtol=1e-5, atol=1e-4)
+
+
+@cuda_only
 def test_cuda_captured_run_equals_the_eager_run(tmp_path, exact_attention):
     a = targs(tmp_path, device="cuda", bf16=False, max_steps=36, update_every=10, dense_frac=0.1)
     eager, _, _ = train.main(a)
@@ -1747,6 +1759,12 @@ def test_prepare_refuses_bad_sources_in_one_line(tmp_path):
                          ("noclass", "train/ has no class folders"), ("extra", "val/ has classes train/ lacks: cat")):
         with pytest.raises(data.DataError, match=message):
             data.prepare(str(tmp_path / src), str(tmp_path / "out"), 16, workers=0)
+    good = awkward_folder(tmp_path / "good")
+    (tmp_path / "file").write_text("")
+    for out, size, workers, message in (("file", 16, 0, "is a file, not a folder"), ("file/sub", 16, 0, "cannot be made"),
+                                        ("o", 16, -1, "--workers at least 0"), ("o", 0, 0, "--size must be positive")):
+        with pytest.raises(data.DataError, match=message):
+            data.prepare(good, str(tmp_path / out), size, workers=workers)
     r = subprocess.run([sys.executable, "data.py", "--src", str(tmp_path / "none"), "--out", str(tmp_path / "o")],
                        capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "needs train/ and val/" in r.stderr
@@ -1804,11 +1822,14 @@ def test_prepared_folder_batches_resume_and_split_over_ranks(tmp_path):
     torch.testing.assert_close(torch.cat(xs).double(), ref, rtol=0, atol=1e-5)
 
 
-def test_prepared_folder_trains_through_main(tmp_path):
+def test_prepared_folder_trains_through_main(tmp_path, capsys):
     out = str(tmp_path / "out")
     data.prepare(image_folder(tmp_path / "imgs"), out, 24, workers=0)
+    data.load("folder", out, 8, "cpu", img_size=16)
+    assert "24 px images, more than --img-size 16" in capsys.readouterr().out
     a = targs(tmp_path, data="folder", data_dir=out, batch_size=8, epochs=2, update_every=2, img_size=32)
     model, _, _ = train.main(a)
+    assert "more than --img-size" not in capsys.readouterr().out
     log = read_log(a.out_dir)
     ep = [r for r in log if r["type"] == "epoch"]
     assert model.head.out_features == 3 and len(ep) == 2 and all(0 <= r["data_wait"] < 1 for r in ep)
@@ -2490,8 +2511,13 @@ def test_published_model_rebuilds_exactly_and_bad_folders_are_refused(tmp_path):
     (bad / "config.json").write_text(json.dumps({**config, "mlp": [20, 1, 3]}))
     with pytest.raises(weights.WeightsError, match="does not match its config.json .size mismatch for blocks.1.mlp"):
         weights.from_pretrained(str(bad))
-    (bad / "config.json").write_text("{not json")
-    with pytest.raises(weights.WeightsError, match="does not describe a model of this project"):
+    for text in ("{not json", "[]", json.dumps({**config, "format": "timm"})):
+        (bad / "config.json").write_text(text)
+        with pytest.raises(weights.WeightsError, match="does not describe a model of this project"):
+            weights.from_pretrained(str(bad))
+    (bad / "config.json").write_text(json.dumps(config))
+    (bad / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(weights.WeightsError, match="model.safetensors is not a readable safetensors file"):
         weights.from_pretrained(str(bad))
     os.remove(bad / "model.safetensors")
     with pytest.raises(weights.WeightsError, match="not a published model: no model.safetensors"):
@@ -2542,6 +2568,8 @@ def test_export_compacts_a_masked_checkpoint(two_runs):
     import export
 
     path = os.path.join(two_runs[1][1], "checkpoint.pt")  # a masked run
+    run_model, kind = weights.load_pretrained(two_runs[1][0])  # --pretrained takes a run folder: its model/
+    assert kind == "published" and run_model.counts("heads") == weights.load(os.path.join(two_runs[1][0], "checkpoint.pt")).counts("heads")
     masked, compact = weights.load(path), export.load_source(path)
     active = torch.load(path, weights_only=True)["method"]["active"]
     for kind in ("heads", "mlp"):

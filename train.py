@@ -23,9 +23,9 @@ import data
 import weights
 from barter import Barter, Schedule, initial_units, unit_budgets, widen
 from baselines import BiDST, Dense, Masked, Static, Unstructured
-from step import (EMA, Graph, Ranks, Stepper, autocast, bf16_supported, evaluate, load_optimizer, make_optimizer,
-                  peak_memory_mb, pick_device, set_lr, sync, torchrun_world)
-from runlog import environment, read_log, show_counts, show_summary, summarize
+from step import (EMA, Graph, Ranks, Stepper, autocast, bf16_supported, environment, evaluate, load_optimizer,
+                  make_optimizer, peak_memory_mb, pick_device, set_lr, sync, torchrun_world)
+from runlog import read_log, show_counts, show_summary, summarize
 from vit import PRESETS, ViT, ViTConfig
 
 METHODS = ("barter", "static", "masked", "rigl", "set", "bidst", "dense")
@@ -548,6 +548,7 @@ class Run:
                 bar.set_postfix(loss=f"{shown:.3f}", img_s=f"{n_img / elapsed:.0f}", data_wait=f"{batches.seconds / elapsed:.0%}")
             if self.step >= self.end or stop:
                 break
+        batches.close()  # a loader's thread, if it has one, ends here and not when the epoch's record is written
         sync(dev)
         seconds = time.perf_counter() - t0
         bar.close()

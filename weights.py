@@ -9,6 +9,7 @@ its masks keep (publishable).
 import json
 import math
 import os
+import pathlib
 import pickle
 import re
 from dataclasses import asdict
@@ -160,10 +161,15 @@ def convert_trusted(src, dst):
     return dst
 
 
+def whole(path, write):
+    """write(tmp) then tmp renamed to path: a crash mid-write never leaves a broken file at path."""
+    write(path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return path
+
+
 def save_checkpoint(path, **state):
-    tmp = path + ".tmp"
-    torch.save({"format": CKPT_FORMAT, **state}, tmp)
-    os.replace(tmp, path)  # atomic: a crash mid-write never leaves a broken checkpoint
+    whole(path, lambda tmp: torch.save({"format": CKPT_FORMAT, **state}, tmp))
 
 
 def read_checkpoint(path):
@@ -195,7 +201,7 @@ def load_pretrained(source, num_heads=None):
                                f"download the weights file where there is network and pass its path") from None
         return from_torchvision(tv), "torchvision"
     if os.path.isdir(source):
-        return from_pretrained(source), "published"
+        return from_pretrained(model_folder(source)), "published"
     obj = read(source)
     if isinstance(obj, dict) and obj.get("format") == CKPT_FORMAT:
         return from_checkpoint(obj), "checkpoint"
@@ -289,13 +295,18 @@ def save_pretrained(model, folder, **about):
 
     os.makedirs(folder, exist_ok=True)
     config = {"format": PUBLISHED_FORMAT, **asdict(model.cfg), "heads": model.counts("heads"), "mlp": model.counts("mlp"), **about}
-    path = os.path.join(folder, "model.safetensors")
-    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    with open(os.path.join(folder, "config.json.tmp"), "w") as f:
-        json.dump(config, f, indent=1)
-    os.replace(os.path.join(folder, "config.json.tmp"), os.path.join(folder, "config.json"))
+    tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    whole(os.path.join(folder, "model.safetensors"), lambda tmp: save_file(tensors, tmp))
+    whole(os.path.join(folder, "config.json"), lambda tmp: pathlib.Path(tmp).write_text(json.dumps(config, indent=1)))
     return folder
+
+
+def model_folder(path):
+    """The published model of `path`: the folder itself, or a run folder's model/; or one line saying why not."""
+    for folder in (path, os.path.join(path, "model")):
+        if os.path.isfile(os.path.join(folder, "config.json")):
+            return folder
+    raise WeightsError(f"{path!r} holds no published model (config.json, or a run's model/)")
 
 
 def from_pretrained(folder):
@@ -310,15 +321,19 @@ def from_pretrained(folder):
     try:
         with open(os.path.join(folder, "config.json")) as f:
             config = json.load(f)
-        if config.get("format") != PUBLISHED_FORMAT:
-            raise ValueError(f"format is {config.get('format')!r}, not {PUBLISHED_FORMAT!r}")
+        if not isinstance(config, dict) or config.get("format") != PUBLISHED_FORMAT:
+            raise ValueError(f"its format is not {PUBLISHED_FORMAT!r}")
         cfg = ViTConfig(**{k: config[k] for k in ViTConfig.__dataclass_fields__})
         model = ViT(cfg, heads=config["heads"], mlp=config["mlp"])
     except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
         raise WeightsError(f"{folder}/config.json does not describe a model of this project ({type(e).__name__}: {e})") from None
     try:
-        model.load_state_dict(load_file(os.path.join(folder, "model.safetensors")), strict=True)
-    except (RuntimeError, SafetensorError, OSError) as e:
+        tensors = load_file(os.path.join(folder, "model.safetensors"))
+    except (SafetensorError, OSError) as e:
+        raise WeightsError(f"{folder}/model.safetensors is not a readable safetensors file ({e})") from None
+    try:
+        model.load_state_dict(tensors, strict=True)
+    except RuntimeError as e:
         why = [line.strip() for line in str(e).splitlines() if line.strip()]
-        raise WeightsError(f"{folder}/model.safetensors does not match its config.json ({why[-1] if why else type(e).__name__})") from None
+        raise WeightsError(f"{folder}/model.safetensors does not match its config.json ({why[-1]})") from None
     return model.eval()
