@@ -89,10 +89,11 @@ def read_idx(path):
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8, offset=4 + 4 * nd).view(dims)
 
 
-def packaged_set(name, train):
-    """(images, labels) from the folder a distribution package installs, or None if it is not there."""
-    folder = PACKAGED.get(name, (None,))[0]
-    paths = [os.path.join(folder, f) for f in IDX_FILES[train]] if folder else []
+def packaged_set(name, train, folder=None):
+    """(images, labels) from the release's gzipped IDX files in `folder` (default: where a distribution
+    package installs them), or None if they are not there."""
+    folder = folder or PACKAGED.get(name, (None,))[0]
+    paths = [os.path.join(folder, f) for f in IDX_FILES[train]] if folder and name in ("mnist", "fashion-mnist") else []
     if not paths or not all(os.path.isfile(p) for p in paths):
         return None
     x, y = (read_idx(p) for p in paths)
@@ -100,14 +101,15 @@ def packaged_set(name, train):
 
 
 def torchvision_set(name, root, train):
-    """A torchvision set already in `root`, else the packaged copy, else a download into `root`."""
+    """A torchvision set already in `root`, else the release's IDX files in `root` itself or the packaged copy,
+    else a download into `root`."""
     import torchvision.datasets as tvd
 
     cls = {"cifar10": tvd.CIFAR10, "cifar100": tvd.CIFAR100, "mnist": tvd.MNIST, "fashion-mnist": tvd.FashionMNIST}[name]
     try:
         ds = cls(root, train=train, download=False)
     except Exception:  # not there (yet)
-        packaged = packaged_set(name, train)
+        packaged = packaged_set(name, train, root) or packaged_set(name, train)
         if packaged is not None:
             return packaged
         try:

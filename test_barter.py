@@ -1881,8 +1881,11 @@ def test_fashion_mnist_is_found_where_the_debian_package_puts_it(tmp_path, monke
     # resized on the device to the model's image size
     _, te32, info32 = data.load("fashion-mnist", str(tmp_path / "empty"), 8, "cpu", img_size=32)
     assert next(te32.epoch(0))[0].shape == (8, 1, 32, 32) and info32.img_size == 32
-    # neither there nor downloadable: the error names the package
+    # the release's files in --data-dir itself (as a GPU machine gets them, carried), the package absent
     monkeypatch.setattr(data, "PACKAGED", {"fashion-mnist": (str(tmp_path / "nowhere"), "dataset-fashion-mnist")})
+    tr2, _, _ = data.load("fashion-mnist", str(tmp_path / "fashion-mnist"), 8, "cpu", img_size=28)
+    assert torch.equal(tr2.x, tr.x) and torch.equal(tr2.y, tr.y)
+    # neither there nor downloadable: the error names the package
     monkeypatch.setattr(tvd, "FashionMNIST", lambda root, train, download: (_ for _ in ()).throw(OSError("offline")))
     with pytest.raises(data.DataError, match="apt-get install dataset-fashion-mnist"):
         data.load("fashion-mnist", str(tmp_path / "empty"), 8, "cpu")
